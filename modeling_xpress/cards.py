@@ -1,0 +1,73 @@
+"""Model cards for saved xPress folders, rendered with huggingface_hub's card tools from `hub_cards/`.
+
+Not shipped inside checkpoints: a model loaded with trust_remote_code alone keeps its folder's existing card.
+"""
+
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+TEMPLATE = Path(__file__).resolve().parent.parent / "hub_cards" / "xpress_model_card.md"
+
+_REFINERS = {
+    "xpress": "causal low-rank refiner solved by parallel Jacobi iterations (xPress)",
+    "markov": "Markov head that biases each position by the previous token (DSpark baseline)",
+    "none": "no correction head (plain dFlash drafter)",
+}
+
+
+def results_markdown(results: list[dict] | None) -> str:
+    """A Markdown table from evaluation rows ({"dataset", "temperature", "method", "tau", ...})."""
+    if not results:
+        return "No evaluation results were recorded with this checkpoint."
+    columns = list(dict.fromkeys(key for row in results for key in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in results:
+        cells = [f"{row[c]:.3f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_model_card(
+    config,
+    *,
+    results: list[dict] | None = None,
+    repo_id: str = "<your-org>/<this-repo>",
+    target_model: str | None = None,
+    training_summary: str = "See the project README for the training recipe.",
+    template: Path = TEMPLATE,
+) -> ModelCard:
+    """Fill `hub_cards/xpress_model_card.md` from an `XPressConfig` and optional evaluation rows."""
+    if not template.is_file():
+        raise FileNotFoundError(f"model card template {template} not found; install the package from its repository")
+    target = target_model or getattr(config, "target_model_name", None) or "the target model"
+    card_data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["speculative-decoding", "xpress", "dflash", "block-diffusion"],
+        base_model=target if "/" in target else None,
+    )
+    mask = "learned vector" if config.mask_token_id is None else f"target token id {config.mask_token_id}"
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(template),
+        model_name=repo_id.split("/")[-1],
+        repo_id=repo_id,
+        target_model=target,
+        num_draft_tokens=config.block_size - 1,
+        refiner_description=_REFINERS[config.refiner],
+        num_hidden_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        block_size=config.block_size,
+        target_layer_ids=config.target_layer_ids,
+        num_target_layers=config.num_target_layers,
+        mask_description=mask,
+        refiner=config.refiner,
+        refiner_rank=config.refiner_rank,
+        jacobi_max_iters=config.jacobi_max_iters,
+        jacobi_early_exit=config.jacobi_early_exit,
+        results_table=results_markdown(results),
+        training_summary=training_summary,
+    )
