@@ -221,6 +221,7 @@ class XPressCandidateGenerator(CandidateGenerator):
         xpress.generation_stats = self.stats
         self._start = self.clock.now()
         self._last_draft_end: float | None = None
+        self._drafted = False  # whether the step being verified carries a draft (not the prefill / a budget-0 step)
 
     @torch.no_grad()
     def get_candidates(
@@ -230,6 +231,7 @@ class XPressCandidateGenerator(CandidateGenerator):
         if self._last_draft_end is not None:
             self.stats.time_verify += now - self._last_draft_end
         self.stats.time_total = now - self._start
+        self._drafted = False
         if is_first_iteration:
             return input_ids, None  # the target prefills first; we need its hidden states
         budget = min(self.xpress.config.num_draft_tokens, self.max_length - input_ids.shape[1] - 1)
@@ -262,11 +264,13 @@ class XPressCandidateGenerator(CandidateGenerator):
         self.context_len = anchor_pos
         self._last_draft_end = self.clock.now()
         candidates = result.tokens[:, :budget].to(input_ids.device)
+        self._drafted = True
         return torch.cat([input_ids, candidates], dim=1), result.logits[:, :budget]
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        self.stats.acceptance_lengths.append(int(num_matches) + 1)
         self.stats.new_tokens += int(num_matches) + 1
+        if self._drafted:  # τ counts verification steps of a draft only
+            self.stats.acceptance_lengths.append(int(num_matches) + 1)
         self.stats.time_total = self.clock.now() - self._start
 
 
@@ -516,7 +520,8 @@ def spec_generate(
         target_cache.crop(-(draft.shape[0] - matches))
         features = target_features(out.hidden_states, layer_ids, matches + 1)
         sequence = torch.cat([sequence, accepted.view(1, -1)], dim=1)
-        stats.acceptance_lengths.append(int(accepted.shape[0]))
+        if draft.numel():  # τ counts verification steps of a draft only
+            stats.acceptance_lengths.append(int(accepted.shape[0]))
         stats.time_verify += clock.now() - t0
 
     stats.new_tokens = sequence.shape[1] - prompt_len
