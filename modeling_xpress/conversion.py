@@ -85,6 +85,12 @@ def dflash_config_to_xpress(raw: dict, **overrides) -> XPressConfig:
         raise ValueError(
             "The dFlash config has no num_target_layers; pass num_target_layers=<target's layer count> to from_dflash"
         )
+    if fields.get("mask_token_id") is None:
+        raise ValueError(
+            "The dFlash config has no mask_token_id (dflash_config.mask_token_id). A released drafter was trained "
+            "with a specific mask token; pass mask_token_id=<that id> to from_dflash. (A learned mask vector is only "
+            "for drafters trained that way from scratch.)"
+        )
     if fields.get("target_layer_ids") is None:
         raise ValueError("The dFlash config has no target_layer_ids; pass target_layer_ids=[...] to from_dflash")
     return XPressConfig(**fields)

@@ -62,16 +62,20 @@ def jacobi_refine(
     early_exit: bool = True,
     logits_transform: LogitsTransform | None = None,
     noise: torch.Tensor | None = None,
+    init_tokens: torch.Tensor | None = None,
 ) -> RefinementResult:
     """Algorithm 1 with the folded refiner: seed from the drafter, then up to `max_iters` parallel re-decodes.
 
     Each block stops counting iterations at its fixed point (an iteration that changes none of its tokens); with
     `early_exit` the loop ends once every block has stopped. By Theorem 1 the fixed point is the sequential decode and
-    is reached in at most n iterations, so early exit changes nothing but the iteration count.
+    is reached in at most n iterations, so early exit changes nothing but the iteration count. `init_tokens` (b, n)
+    replaces the drafter seed (Theorem 1 holds from any seed).
     """
     b = base_logits.shape[0]
     prepared = refiner.prepare(hidden)  # token-independent part, once per block
     processed, tokens = decode(base_logits, logits_transform, noise)  # seed Y^0 from the drafter's marginals
+    if init_tokens is not None:
+        tokens = init_tokens
     iterations = torch.zeros(b, dtype=torch.long, device=tokens.device)
     settled = torch.zeros(b, dtype=torch.bool, device=tokens.device)
     for _ in range(max_iters):

@@ -1,0 +1,184 @@
+"""The refiner's structural properties (paper §4.1–4.2): causality, folding, Jacobi = sequential decode."""
+
+import pytest
+import torch
+
+from modeling_xpress import XPressConfig, XPressModel, jacobi_refine, markov_decode, sequential_refine
+from modeling_xpress.refinement import gumbel_noise
+from modeling_xpress.modeling_xpress import XPressRefiner
+
+VOCAB, HIDDEN, BLOCK = 50, 32, 9
+N = BLOCK - 1
+
+
+def make_refiner(seed: int = 0, std: float = 0.7) -> XPressRefiner:
+    config = XPressConfig(
+        vocab_size=VOCAB, target_hidden_size=HIDDEN, hidden_size=HIDDEN, num_target_layers=4, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, block_size=BLOCK,
+        refiner_rank=12,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    refiner = XPressRefiner(config)
+    with torch.no_grad():
+        for p in refiner.parameters():
+            p.normal_(std=std)  # strong, non-trivial mixing so that every dependency is exercised
+    return refiner.eval()
+
+
+def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32 agreement relative to the tensor's scale (logits here reach a few hundred)."""
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+def block_inputs(b: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, N, HIDDEN, generator=g)
+    base = torch.randn(b, N, VOCAB, generator=g)
+    anchor = torch.randint(0, VOCAB, (b,), generator=g)
+    return hidden, base, anchor
+
+
+def test_delta_is_not_trivial():
+    refiner = make_refiner()
+    hidden, _, _ = block_inputs()
+    tokens = torch.randint(0, VOCAB, (3, N))
+    delta = refiner(hidden, tokens)
+    assert delta.abs().mean() > 1.0  # the properties below would be vacuous for δ ≈ 0
+
+
+@pytest.mark.parametrize("k", range(N - 1))
+def test_delta_k_depends_only_on_earlier_tokens(k):
+    """Position k (0-based) reads the previous tokens x_0..x_k (tokens[:, :k+1]); perturbing every later token
+    leaves δ at positions ≤ k bit-identical, while later positions do see the change."""
+    refiner = make_refiner()
+    hidden, _, _ = block_inputs()
+    tokens = torch.randint(0, VOCAB, (3, N))
+    changed = tokens.clone()
+    changed[:, k + 1 :] = (changed[:, k + 1 :] + 1 + torch.randint(0, VOCAB - 1, changed[:, k + 1 :].shape)) % VOCAB
+    assert (changed[:, k + 1 :] != tokens[:, k + 1 :]).all()
+    for forward in (lambda t: refiner(hidden, t), lambda t: refiner.delta_folded(refiner.prepare(hidden), t)):
+        before, after = forward(tokens), forward(changed)
+        assert torch.equal(before[:, : k + 1], after[:, : k + 1])
+        assert not torch.equal(before[:, k + 1 :], after[:, k + 1 :])
+
+
+def test_folded_equals_unfolded():
+    refiner = make_refiner()
+    hidden, _, _ = block_inputs()
+    tokens = torch.randint(0, VOCAB, (3, N))
+    unfolded = refiner(hidden, tokens)
+    folded = refiner.delta_folded(refiner.prepare(hidden), tokens)
+    assert_fp32_close(folded, unfolded)
+
+
+def test_folded_cache_follows_parameter_updates():
+    refiner = make_refiner()
+    hidden, _, _ = block_inputs()
+    tokens = torch.randint(0, VOCAB, (3, N))
+    first = refiner.delta_folded(refiner.prepare(hidden), tokens)
+    with torch.no_grad():
+        refiner.mix.add_(0.5)  # in-place update, as an optimizer step does
+        refiner.token_embed.weight.mul_(2.0)
+    second = refiner.delta_folded(refiner.prepare(hidden), tokens)
+    assert not torch.allclose(first, second)
+    assert_fp32_close(second, refiner(hidden, tokens))
+
+
+def test_mix_ignores_upper_triangle_and_diagonal():
+    """Only the strictly-lower part of L may act: setting the rest to anything changes nothing."""
+    refiner = make_refiner()
+    hidden, _, _ = block_inputs()
+    tokens = torch.randint(0, VOCAB, (3, N))
+    before = refiner(hidden, tokens)
+    with torch.no_grad():
+        refiner.mix.add_(torch.triu(torch.full((N, N), 5.0)))
+    torch.testing.assert_close(refiner(hidden, tokens), before)
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "fixed-noise"])
+def test_jacobi_reaches_sequential_decode_from_any_seed(sampling):
+    """Theorem 1: after j iterations the first j positions equal the sequential decode, from any seed; the fixed
+    point is reached in at most n iterations and is the sequential decode."""
+    refiner = make_refiner()
+    hidden, base, anchor = block_inputs(b=4)
+    noise = gumbel_noise(base.shape, generator=torch.Generator().manual_seed(3)) if sampling else None
+    transform = (lambda x: x / 0.7) if sampling else None
+    reference = sequential_refine(refiner, hidden, base, anchor, logits_transform=transform, noise=noise)
+    seeds = [None] + [torch.randint(0, VOCAB, (4, N), generator=torch.Generator().manual_seed(s)) for s in range(5)]
+    disagreements = 0
+    for seed in seeds:
+        for j in range(1, N + 1):
+            result = jacobi_refine(
+                refiner, hidden, base, anchor, max_iters=j, early_exit=False, logits_transform=transform,
+                noise=noise, init_tokens=seed,
+            )  # fmt: skip
+            assert torch.equal(result.tokens[:, :j], reference.tokens[:, :j]), f"prefix {j} not pinned after {j} iters"
+            disagreements += int((result.tokens != reference.tokens).sum())
+        final = jacobi_refine(refiner, hidden, base, anchor, max_iters=N, early_exit=True, logits_transform=transform,
+                              noise=noise, init_tokens=seed)  # fmt: skip
+        assert torch.equal(final.tokens, reference.tokens)
+        assert (final.iterations <= N).all()
+        assert_fp32_close(final.logits, reference.logits)
+    assert disagreements > 0  # the seeds really were wrong somewhere, so convergence was exercised
+
+
+def test_early_exit_changes_only_the_iteration_count():
+    refiner = make_refiner(std=0.3)
+    hidden, base, anchor = block_inputs(b=6, seed=5)
+    for k in (2, 4, N):
+        full = jacobi_refine(refiner, hidden, base, anchor, max_iters=k, early_exit=False)
+        early = jacobi_refine(refiner, hidden, base, anchor, max_iters=k, early_exit=True)
+        assert torch.equal(full.tokens, early.tokens)
+        torch.testing.assert_close(full.logits, early.logits)
+        assert (early.iterations <= full.iterations).all()
+    converged = jacobi_refine(refiner, hidden, base, anchor, max_iters=N, early_exit=True)
+    assert (converged.iterations < N).any(), "expected some block to settle before n iterations"
+
+
+def test_iterations_are_counted_per_block():
+    refiner = make_refiner()
+    hidden, base, anchor = block_inputs(b=2)
+    reference = sequential_refine(refiner, hidden, base, anchor)
+    # Block 0 starts at its fixed point (1 confirming pass); block 1 starts from a wrong seed.
+    seed = reference.tokens.clone()
+    seed[1] = (seed[1] + 1) % VOCAB
+    result = jacobi_refine(refiner, hidden, base, anchor, max_iters=N, init_tokens=seed)
+    assert result.iterations[0] == 1
+    assert result.iterations[1] > 1
+
+
+def test_refiner_adds_to_the_base_logits():
+    """ℓ = s + δ: with a zero readout the refined block is exactly the drafter's own decode."""
+    refiner = make_refiner()
+    with torch.no_grad():
+        refiner.readout.weight.zero_()
+    hidden, base, anchor = block_inputs()
+    result = jacobi_refine(refiner, hidden, base, anchor, max_iters=3)
+    assert torch.equal(result.tokens, base.argmax(-1))
+    torch.testing.assert_close(result.logits, base)
+    # And with a non-zero readout, the logits are exactly base + δ at the last iteration's prefix.
+    refiner = make_refiner()
+    result = jacobi_refine(refiner, hidden, base, anchor, max_iters=N)
+    prev = torch.cat([anchor[:, None], result.tokens[:, :-1]], dim=1)
+    assert_fp32_close(result.logits, base + refiner(hidden, prev))
+
+
+def test_markov_head_serial_decode_matches_definition():
+    config = XPressConfig(
+        vocab_size=VOCAB, target_hidden_size=HIDDEN, hidden_size=HIDDEN, num_target_layers=4, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, block_size=BLOCK,
+        refiner="markov", refiner_rank=12,
+    )  # fmt: skip
+    model = XPressModel(config).eval()
+    with torch.no_grad():
+        for p in model.refiner.parameters():
+            p.normal_(std=1.0)
+    _, base, anchor = block_inputs()
+    result = markov_decode(model.refiner, base, anchor)
+    previous = anchor
+    for k in range(N):
+        expected = (base[:, k] + model.refiner(previous)).argmax(-1)
+        assert torch.equal(result.tokens[:, k], expected)
+        previous = expected
+    assert not torch.equal(result.tokens, base.argmax(-1))  # the head really changed the decode
