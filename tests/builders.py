@@ -90,3 +90,14 @@ def perfect_head(model: XPressModel, perm: torch.Tensor, scale: float = 100.0) -
             head.fuse.weight[:, 2 * r :] = torch.eye(r)
             head.down.weight.zero_()
             head.down.bias.zero_()
+
+
+def tiny_tokenizer(vocab_size: int):
+    """A word-level tokenizer over the words t0..t{V-1} (one id per word), built in code: no downloads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0")
