@@ -1,0 +1,803 @@
+"""Training data: prompts written by our own code, answered by the target itself.
+
+A drafter is trained to predict what *its target* would say next, so the responses must come from
+the target (paper section 4.3; SPEC section 4), not from some other model's dataset. The recipe:
+
+1. :func:`training_prompts` builds a few thousand varied prompts (code, math, chat) from templates,
+   vocabularies and random numbers. They never come from HumanEval or MT-Bench, which are the
+   evaluation sets (:mod:`modeling_xpress.assets`).
+2. :func:`regenerate_responses` formats each prompt with the target's chat template, lets the
+   target answer it (batched, left-padded, greedy by default) and returns token ids plus a loss
+   mask that is 1 exactly on the target's own response tokens. On CPU this takes the better part
+   of an hour, so it can write shards as it goes and resume after an interruption.
+3. :func:`load_responses` reads back either the shards or a finished parquet file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+PROMPT_KINDS = ("code", "math", "chat")
+
+RESPONSE_FEATURES = datasets.Features({
+    "input_ids": datasets.List(datasets.Value("int32")),
+    "loss_mask": datasets.List(datasets.Value("int8")),
+})
+"""Columns of a regenerated dataset. int32/int8 keep the parquet file small; they read back as ints."""
+
+SHARD_MANIFEST = "manifest.json"
+"""File in a shard folder that records what the shards were made from (so a resume with other
+prompts or settings is refused) and, per finished shard, its prompts, new tokens and seconds."""
+
+# --------------------------------------------------------------------------------------------
+# Prompt vocabularies. Each list is small on its own; templates x vocabularies x random numbers
+# give thousands of distinct prompts with a realistic spread of response lengths.
+# --------------------------------------------------------------------------------------------
+
+_NAMES = [
+    "Alice", "Bob", "Carlos", "Dana", "Emeka", "Fatima", "Giulia", "Hiro", "Ines", "Jonas", "Kavya",
+    "Liam", "Mei", "Noah", "Olga", "Priya", "Quentin", "Rosa", "Sven", "Tariq", "Uma", "Victor",
+    "Wen", "Ximena", "Yusuf", "Zoe",
+]
+_ITEMS = [
+    ("notebook", "notebooks"), ("apple", "apples"), ("pencil", "pencils"), ("ticket", "tickets"),
+    ("mug", "mugs"), ("book", "books"), ("plant", "plants"), ("candle", "candles"),
+    ("sandwich", "sandwiches"), ("battery", "batteries"), ("shirt", "shirts"), ("lamp", "lamps"),
+    ("cookie", "cookies"), ("towel", "towels"), ("marker", "markers"), ("bottle of juice", "bottles of juice"),
+]
+_VEHICLES = ["car", "train", "cyclist", "bus", "boat", "runner", "truck", "plane"]
+_CONVERSIONS = [
+    ("kilometers", "miles"), ("miles", "kilometers"), ("pounds", "kilograms"), ("kilograms", "pounds"),
+    ("liters", "gallons"), ("degrees Celsius", "degrees Fahrenheit"), ("degrees Fahrenheit", "degrees Celsius"),
+    ("inches", "centimeters"), ("feet", "meters"), ("hours", "seconds"), ("square meters", "square feet"),
+]
+_SHAPES_2D = ["rectangle", "right triangle", "circle", "square", "trapezoid", "parallelogram"]
+_SHAPES_3D = ["cube", "cylinder", "sphere", "rectangular box", "cone"]
+
+_CODE_TASKS = [
+    "reverses a string without using slicing",
+    "checks whether a string is a palindrome, ignoring case and punctuation",
+    "returns the {k} largest numbers in a list",
+    "counts how often each word appears in a text",
+    "removes duplicates from a list while keeping the original order",
+    "merges two sorted lists into one sorted list",
+    "checks whether a number is prime",
+    "returns the first {n} Fibonacci numbers",
+    "computes the factorial of a number iteratively",
+    "flattens a nested list of arbitrary depth",
+    "finds the longest common prefix of a list of strings",
+    "converts a Roman numeral to an integer",
+    "converts an integer to its binary representation as a string",
+    "groups a list of words into anagrams",
+    "rotates a list to the right by {k} positions",
+    "checks whether the brackets in a string are balanced",
+    "returns the second smallest element of a list",
+    "computes the running average of a list of numbers",
+    "splits a list into chunks of size {k}",
+    "finds all pairs of numbers in a list that add up to {n}",
+    "transposes a matrix given as a list of lists",
+    "computes the greatest common divisor of two integers",
+    "capitalizes the first letter of every word in a sentence",
+    "returns the most common character in a string",
+    "validates an email address with a regular expression",
+    "parses a date string in the format YYYY-MM-DD and returns the weekday",
+    "computes the median of a list of numbers",
+    "performs binary search on a sorted list",
+    "sorts a list of dictionaries by the value of a given key",
+    "counts the vowels in a string",
+    "returns the sum of the digits of an integer",
+    "checks whether two strings are anagrams of each other",
+    "generates all permutations of a string",
+    "generates all subsets of a list",
+    "finds the missing number in a list containing 1 to {n} with one number missing",
+    "compresses a string using run-length encoding",
+    "decodes a run-length encoded string",
+    "implements the sieve of Eratosthenes up to {n}",
+    "computes the dot product of two vectors",
+    "checks whether a year is a leap year",
+    "converts a temperature from Celsius to Fahrenheit",
+    "returns the n-th triangular number",
+    "finds the index of the first non-repeating character in a string",
+    "removes all whitespace from a string",
+    "counts the number of lines, words and characters in a file",
+    "returns the intersection of two lists",
+    "checks whether a list is sorted",
+    "finds the maximum subarray sum (Kadane's algorithm)",
+    "computes the Levenshtein distance between two strings",
+    "returns the length of the longest increasing subsequence",
+    "converts a snake_case string to camelCase",
+    "converts a camelCase string to snake_case",
+    "checks whether a number is a perfect square",
+    "returns a dictionary that maps each value to the list of keys that had it",
+    "computes the moving maximum over a window of size {k}",
+    "shuffles a list in place using the Fisher-Yates algorithm",
+    "truncates a string to {n} characters and adds an ellipsis",
+    "counts the set bits in an integer",
+    "checks whether a string contains only unique characters",
+    "returns the prime factors of an integer",
+    "computes the power set size and lists the subsets of size {k}",
+    "validates a Sudoku row, column or box",
+    "formats a number of seconds as HH:MM:SS",
+    "finds the k-th smallest element of a list using a heap, with k = {k}",
+    "computes the area of a polygon from its vertices",
+    "parses a simple CSV line that may contain quoted fields",
+    "evaluates a postfix (reverse Polish) expression",
+    "returns the words of a sentence in reverse order",
+    "checks whether a binary tree is balanced",
+    "returns the depth of a nested dictionary",
+    "interleaves two lists element by element",
+    "computes the cumulative product of a list",
+    "finds the mode of a list of integers",
+]
+_CODE_DATA_STRUCTURES = [
+    ("stack", "push, pop and peek"), ("queue", "enqueue, dequeue and is_empty"),
+    ("singly linked list", "append, prepend, delete and find"),
+    ("binary search tree", "insert, search and in-order traversal"),
+    ("min-heap", "push, pop and peek"), ("LRU cache", "get and put"),
+    ("trie", "insert, search and starts_with"), ("circular buffer", "write, read and is_full"),
+    ("priority queue", "add, pop_highest and __len__"), ("graph with an adjacency list", "add_edge, neighbors and bfs"),
+    ("hash map with separate chaining", "set, get and delete"), ("bank account", "deposit, withdraw and balance"),
+    ("inventory system", "add_item, remove_item and total_value"), ("to-do list", "add, complete and pending"),
+    ("2D vector", "__add__, __mul__ and length"), ("matrix", "__add__, __matmul__ and transpose"),
+    ("rate limiter", "allow_request and reset"), ("doubly linked list", "insert_after, remove and reverse"),
+    ("union-find structure", "find, union and connected"), ("shopping cart", "add, remove and total"),
+]
+_CODE_LANGUAGES = ["Python", "Python", "Python", "Python", "JavaScript", "Java", "C", "Rust", "Go", "TypeScript"]
+_CODE_EXTRAS = [
+    "", "", " Include a docstring and type hints.", " Add a few example calls.",
+    " Handle empty input gracefully.", " Explain the time complexity.", " Do not use any imports.",
+    " Keep it short and readable.", " Add comments that explain each step.", " Write a unit test for it too.",
+]
+_CODE_FILE_FORMATS = ["CSV", "JSON", "plain text", "log", "TSV", "YAML"]
+_CODE_FILE_ACTIONS = [
+    "prints the number of records", "computes the average of a numeric column",
+    "writes the records sorted by date to a new file", "counts the distinct values of one field",
+    "finds the rows with missing values", "prints the ten most frequent words",
+    "filters the entries that contain the word 'error'", "converts it to a list of dictionaries",
+]
+_PYTHON_CONCEPT_PAIRS = [
+    ("a list", "a tuple"), ("`is`", "`==`"), ("a generator", "a list comprehension"),
+    ("`deepcopy`", "`copy`"), ("a class method", "a static method"), ("`*args`", "`**kwargs`"),
+    ("a set", "a frozenset"), ("threads", "processes"), ("`append`", "`extend`"),
+    ("a module", "a package"), ("`__str__`", "`__repr__`"), ("`sort()`", "`sorted()`"),
+    ("a dataclass", "a namedtuple"), ("`range`", "`enumerate`"), ("exceptions", "return codes"),
+    ("an iterator", "an iterable"), ("`map`", "a for loop"), ("`async def`", "`def`"),
+]
+_BUGGY_SNIPPETS = [
+    "def {f}(items):\n    total = 0\n    for i in range(1, len(items)):\n        total += items[i]\n    return total",
+    "def {f}(n):\n    if n == 0:\n        return 0\n    return n * {f}(n - 1)",
+    "def {f}(words):\n    result = {{}}\n    for w in words:\n        result[w] += 1\n    return result",
+    "def {f}(a, b):\n    while b:\n        a = b\n        b = a % b\n    return a",
+    "def {f}(xs):\n    for i in range(len(xs)):\n        if xs[i] > xs[i + 1]:\n            return False\n    return True",
+    "def {f}(text):\n    return text.split(' ').reverse()",
+    "def {f}(values, default=[]):\n    default.append(values)\n    return default",
+    "def {f}(x):\n    if x % 2 == 1:\n        return 'even'\n    return 'odd'",
+]
+_FUNCTION_NAMES = [
+    "process", "compute", "helper", "total", "check", "summarize", "count_items", "solve", "run",
+    "calculate", "transform", "analyze",
+]
+
+_CHAT_CONCEPTS = [
+    "photosynthesis", "inflation", "black holes", "the immune system", "machine learning",
+    "compound interest", "climate change", "blockchain", "the water cycle", "supply and demand",
+    "natural selection", "how vaccines work", "quantum entanglement", "the stock market",
+    "plate tectonics", "how the internet works", "DNA replication", "the greenhouse effect",
+    "opportunity cost", "neural networks", "how airplanes fly", "the theory of relativity",
+    "recursion", "public-key cryptography", "how batteries store energy", "the placebo effect",
+    "the French Revolution", "entropy", "how a bill becomes a law", "cloud computing",
+    "the Pythagorean theorem", "interest rates", "how GPS works", "the carbon cycle", "tides",
+    "cognitive biases", "how search engines rank pages", "the scientific method", "antibiotic resistance",
+    "gravity", "how the heart pumps blood", "renewable energy", "the Renaissance", "sleep cycles",
+    "how compilers work", "probability", "the Silk Road", "volcanoes", "game theory", "how memory works",
+]
+_CHAT_AUDIENCES = [
+    "a ten-year-old", "a high school student", "someone with no technical background", "a busy manager",
+    "a university student", "my grandmother", "a new employee", "a curious teenager",
+]
+_CHAT_ACTIVITIES = [
+    "learning a new language", "running a first marathon", "saving money on groceries",
+    "staying focused while working from home", "getting better sleep", "public speaking",
+    "starting a vegetable garden", "preparing for a job interview", "learning to play the guitar",
+    "traveling on a budget", "writing a cover letter", "keeping a houseplant alive", "studying for exams",
+    "making friends in a new city", "reducing screen time", "cooking healthy meals quickly",
+    "organizing a small closet", "taking better photos with a phone", "negotiating a salary",
+    "training a puppy", "managing stress", "reading more books", "staying motivated at the gym",
+    "hosting a dinner party", "learning to code", "writing a novel", "moving to a new apartment",
+    "camping for the first time", "running an effective meeting", "building a morning routine",
+]
+_CHAT_CHOICES = [
+    "working from home", "buying versus renting a home", "electric cars", "learning online",
+    "living in a big city", "freelancing", "using a credit card", "homeschooling", "nuclear power",
+    "social media for teenagers", "a four-day work week", "owning a dog", "studying abroad",
+    "open-plan offices", "self-driving cars", "a gap year before university", "investing in index funds",
+    "public transport", "smart home devices", "a vegetarian diet", "starting a small business",
+    "remote teams", "e-books versus paper books", "solar panels at home", "tiny houses",
+]
+_CHAT_HOWTOS = [
+    "change a flat tire", "make a simple budget", "brew good coffee at home", "write a haiku",
+    "back up my computer", "remove a coffee stain from a shirt", "start meditating",
+    "make bread without a bread machine", "prepare for a long hike", "set up a home Wi-Fi network safely",
+    "give constructive feedback", "learn touch typing", "plan a birthday party", "care for a cast iron pan",
+    "improve my handwriting", "write a good resume", "ask for a raise", "start journaling",
+    "clean a laptop keyboard", "memorize a speech", "choose a good password", "repot a plant",
+    "fold a fitted sheet", "make a paper airplane", "calm down before an exam", "sharpen a kitchen knife",
+]
+_CHAT_FORMS = [
+    "poem", "short story", "haiku", "limerick", "product description", "thank-you note", "speech",
+    "slogan", "dialogue between two friends", "diary entry", "news headline and first paragraph", "riddle",
+]
+_CHAT_SUBJECTS = [
+    "a rainy afternoon", "a lost cat finding its way home", "the first day of spring", "a robot learning to paint",
+    "an old lighthouse", "a reusable water bottle", "a small bakery", "the ocean at night", "a city bicycle",
+    "friendship", "a mountain village", "a forgotten umbrella", "autumn leaves", "a busy train station",
+    "a chess game", "a new smartphone app", "a garden in winter", "a dragon who is afraid of heights",
+    "the moon", "a library at midnight", "a coffee shop", "a long road trip", "learning to swim",
+]
+_CHAT_COMPARE = [
+    ("cats", "dogs as pets"), ("tea", "coffee"), ("Python", "JavaScript for beginners"),
+    ("running", "swimming for fitness"), ("laptops", "desktop computers"), ("trains", "planes for travel in Europe"),
+    ("stocks", "bonds"), ("reading", "listening to audiobooks"), ("SQL", "NoSQL databases"),
+    ("baking", "frying"), ("a Kindle", "paper books"), ("yoga", "pilates"), ("summer", "winter holidays"),
+    ("Linux", "Windows"), ("mountains", "beaches for a vacation"), ("email", "instant messaging at work"),
+]
+_CHAT_FEELINGS = ["nervous", "overwhelmed", "unsure", "excited but anxious", "stuck", "frustrated"]
+_CHAT_SITUATIONS = [
+    "starting a new job", "moving to another country", "a group project", "an upcoming exam",
+    "learning to drive", "a disagreement with a friend", "choosing a university major",
+    "giving my first presentation", "changing careers", "living alone for the first time",
+]
+_CHAT_EMAILS = [
+    ("my landlord", "about a broken heater"), ("my team", "announcing a new weekly meeting"),
+    ("a professor", "asking for an extension on an assignment"), ("a customer", "apologizing for a late delivery"),
+    ("a colleague", "thanking them for their help"), ("a hiring manager", "following up after an interview"),
+    ("my neighbors", "inviting them to a street party"), ("a client", "proposing a new project timeline"),
+]
+_CHAT_PLACES = [
+    "Lisbon", "Kyoto", "Mexico City", "Iceland", "Cape Town", "Vienna", "Vancouver", "Marrakesh",
+    "Seoul", "Edinburgh", "Buenos Aires", "the Swiss Alps", "Istanbul", "Prague", "New Zealand",
+]
+_CHAT_TRAVELERS = ["a family with two kids", "a solo traveler", "a couple", "students on a budget", "retirees"]
+_CHAT_NAMEABLES = [
+    "coffee shop", "podcast about science", "hiking club", "pet hamster", "board game", "bakery",
+    "mobile app for tracking habits", "book club", "robot vacuum", "band", "newsletter about gardening",
+]
+
+
+def _pick(rng: random.Random, options: Sequence):
+    return options[rng.randrange(len(options))]
+
+
+def _code_prompt(rng: random.Random) -> str:
+    """One programming request: a function, a class, a file script, a concept, a bug or an output."""
+    style = rng.randrange(6)
+    if style == 0:
+        task = _pick(rng, _CODE_TASKS).format(k=rng.randint(2, 9), n=rng.randint(10, 500))
+        verb = _pick(rng, ["Write", "Implement", "Create", "Show me"])
+        return f"{verb} a {_pick(rng, _CODE_LANGUAGES)} function that {task}.{_pick(rng, _CODE_EXTRAS)}"
+    if style == 1:
+        name, methods = _pick(rng, _CODE_DATA_STRUCTURES)
+        lang = _pick(rng, ["Python", "Python", "Java", "C++", "TypeScript"])
+        return f"Implement a {name} class in {lang} with the methods {methods}.{_pick(rng, _CODE_EXTRAS)}"
+    if style == 2:
+        fmt, action = _pick(rng, _CODE_FILE_FORMATS), _pick(rng, _CODE_FILE_ACTIONS)
+        stem = _pick(rng, ["data", "sales", "users", "events", "measurements", "orders", "server"])
+        ext = {"plain text": "txt", "log": "log"}.get(fmt, fmt.lower())
+        return f"Write a Python script that reads a {fmt} file named `{stem}.{ext}` and {action}."
+    if style == 3:
+        a, b = _pick(rng, _PYTHON_CONCEPT_PAIRS)
+        ask = _pick(rng, ["What is the difference between", "When should I use", "Explain"])
+        joiner = " instead of " if ask == "When should I use" else " and "
+        return f"{ask} {a}{joiner}{b} in Python? Give a short example.".replace("Explain", "Can you explain", 1)
+    if style == 4:
+        snippet = _pick(rng, _BUGGY_SNIPPETS).format(f=_pick(rng, _FUNCTION_NAMES))
+        ask = _pick(rng, ["Find and fix the bug in this Python function:",
+                          "This Python code does not work as intended. What is wrong, and how do I fix it?",
+                          "Review this function and correct any mistakes:"])
+        return f"{ask}\n```python\n{snippet}\n```"
+    # A small program with random constants: what does it print?
+    xs = [rng.randint(-9, 20) for _ in range(rng.randint(3, 6))]
+    k = rng.randint(2, 5)
+    body = _pick(rng, [
+        f"xs = {xs}\nprint(sum(x * {k} for x in xs if x > 0))",
+        f"xs = {xs}\nprint(sorted(xs)[-{min(k, len(xs))}:])",
+        f"xs = {xs}\nprint([x % {k} for x in xs])",
+        f"total = 0\nfor i in range({k}, {k + len(xs)}):\n    total += i * i\nprint(total)",
+        f"s = '{''.join(_pick(rng, 'abcdefgh') for _ in range(k + 3))}'\nprint(s[::{-1 if k % 2 else 2}])",
+        f"d = {{x: x ** 2 for x in {xs}}}\nprint(len(d), max(d.values()))",
+    ])
+    return f"What does the following Python code print? Explain why.\n```python\n{body}\n```"
+
+
+def _math_prompt(rng: random.Random) -> str:
+    """One math question with random quantities: word problems, algebra, geometry, statistics."""
+    style = rng.randrange(14)
+    name, other = rng.sample(_NAMES, 2)
+    suffix = _pick(rng, ["", " Show your work.", " Explain your reasoning step by step.", " Explain briefly."])
+    if style == 0:
+        (_, items), count, price = _pick(rng, _ITEMS), rng.randint(2, 12), rng.randint(50, 1500) / 100
+        bill = next(b for b in (5, 10, 20, 50, 100, 200) if b > count * price)
+        return (f"{name} buys {count} {items} at ${price:.2f} each and pays with a ${bill} bill. "
+                f"How much change does {name} get?{suffix}")
+    if style == 1:
+        vehicle, dist, hours = _pick(rng, _VEHICLES), rng.randint(20, 900), rng.randint(2, 9)
+        more = rng.randint(30, 600)
+        return (f"A {vehicle} travels {dist} km in {hours} hours. What is its average speed, and how long "
+                f"would it take to travel {more} km at that speed?{suffix}")
+    if style == 2:
+        pct, price = _pick(rng, [5, 10, 12, 15, 20, 25, 30, 35, 40, 60]), rng.randint(12, 900)
+        return (f"A jacket costs ${price}. It is on sale for {pct}% off, and then a {rng.randint(3, 10)}% "
+                f"sales tax is added. What is the final price?{suffix}")
+    if style == 3:
+        a, x, b = rng.randint(2, 15), rng.randint(-12, 25), rng.randint(-40, 40)
+        return f"Solve for x: {a}x {'+' if b >= 0 else '-'} {abs(b)} = {a * x + b}.{suffix}"
+    if style == 4:
+        x, y = rng.randint(-9, 12), rng.randint(-9, 12)
+        a, b, c, d = (rng.randint(1, 7) for _ in range(4))
+        if a * d == b * c:
+            d += 1
+        return (f"Solve the system of equations: {a}x + {b}y = {a * x + b * y} and "
+                f"{c}x + {d}y = {c * x + d * y}.{suffix}")
+    if style == 5:
+        shape = _pick(rng, _SHAPES_2D)
+        dims = {
+            "rectangle": f"width {rng.randint(2, 40)} cm and length {rng.randint(2, 60)} cm",
+            "right triangle": f"legs of {rng.randint(3, 24)} cm and {rng.randint(3, 24)} cm",
+            "circle": f"radius {rng.randint(1, 30)} m",
+            "square": f"side {rng.randint(2, 50)} inches",
+            "trapezoid": f"parallel sides {rng.randint(3, 20)} m and {rng.randint(21, 40)} m and height {rng.randint(2, 15)} m",
+            "parallelogram": f"base {rng.randint(3, 30)} cm and height {rng.randint(2, 20)} cm",
+        }[shape]
+        what = _pick(rng, ["area", "perimeter", "area and perimeter"]) if shape != "trapezoid" else "area"
+        return f"What is the {what} of a {shape} with {dims}?{suffix}"
+    if style == 6:
+        shape = _pick(rng, _SHAPES_3D)
+        r, h = rng.randint(1, 15), rng.randint(2, 30)
+        dims = {"cube": f"edge {r} cm", "cylinder": f"radius {r} cm and height {h} cm",
+                "sphere": f"radius {r} cm", "rectangular box": f"sides {r} cm, {h} cm and {rng.randint(2, 12)} cm",
+                "cone": f"radius {r} cm and height {h} cm"}[shape]
+        return f"Find the {_pick(rng, ['volume', 'surface area'])} of a {shape} with {dims}.{suffix}"
+    if style == 7:
+        den = [rng.randint(2, 12), rng.randint(2, 12)]
+        num = [rng.randint(1, d * 2) for d in den]
+        op = _pick(rng, ["add", "subtract", "multiply", "divide"])
+        joiner = {"add": "and", "subtract": "from", "multiply": "by", "divide": "by"}[op]
+        return f"{op.capitalize()} {num[0]}/{den[0]} {joiner} {num[1]}/{den[1]} and simplify the result.{suffix}"
+    if style == 8:
+        values = [rng.randint(1, 99) for _ in range(rng.randint(5, 9))]
+        return f"Find the mean, median and range of these numbers: {', '.join(map(str, values))}.{suffix}"
+    if style == 9:
+        a, b = rng.randint(2, 12), rng.randint(2, 12)
+        job = _pick(rng, ["paint a fence", "mow a lawn", "fill a pool", "sort a pile of letters", "clean a house"])
+        return (f"{name} can {job} in {a} hours and {other} can do it in {b} hours. How long does it take "
+                f"if they work together?{suffix}")
+    if style == 10:
+        principal, rate, years = rng.randint(5, 200) * 100, _pick(rng, [1.5, 2, 2.5, 3, 4, 5, 6, 7]), rng.randint(2, 15)
+        how = _pick(rng, ["compounded yearly", "with simple interest", "compounded monthly"])
+        return f"How much is ${principal} worth after {years} years at {rate}% interest {how}?{suffix}"
+    if style == 11:
+        red, blue, green = rng.randint(1, 12), rng.randint(1, 12), rng.randint(0, 8)
+        event = _pick(rng, ["a red marble", "two blue marbles in a row without replacement",
+                            "a marble that is not blue", "one red and one blue marble in two draws with replacement"])
+        bag = f"{red} red, {blue} blue" + (f" and {green} green" if green else "") + " marbles"
+        return f"A bag contains {bag}. What is the probability of drawing {event}?{suffix}"
+    if style == 12:
+        total, a, b = rng.randint(3, 60) * 10, rng.randint(1, 7), rng.randint(1, 7)
+        what = _pick(rng, ["dollars", "stickers", "cookies", "hours of work", "liters of paint"])
+        return f"Split {total} {what} between {name} and {other} in the ratio {a}:{b}. How much does each get?{suffix}"
+    # Number theory and conversions.
+    kind = rng.randrange(4)
+    if kind == 0:
+        a, b = rng.randint(6, 300), rng.randint(6, 300)
+        return f"Find the greatest common divisor and the least common multiple of {a} and {b}.{suffix}"
+    if kind == 1:
+        return f"Write {rng.randint(30, 5000)} as a product of prime factors.{suffix}"
+    if kind == 2:
+        src, dst = _pick(rng, _CONVERSIONS)
+        return f"Convert {rng.randint(1, 500)} {src} to {dst}.{suffix}"
+    start, step = rng.randint(-10, 30), rng.randint(2, 9)
+    terms = ", ".join(str(start + i * step) for i in range(5))
+    return f"What are the next two numbers in the sequence {terms}, ...? What is the 20th term?{suffix}"
+
+
+def _chat_prompt(rng: random.Random) -> str:
+    """One general-assistant request: explanations, advice, how-tos, writing, planning."""
+    style = rng.randrange(11)
+    n = rng.randint(3, 7)
+    if style == 0:
+        return f"Explain {_pick(rng, _CHAT_CONCEPTS)} to {_pick(rng, _CHAT_AUDIENCES)}."
+    if style == 1:
+        return f"Give me {n} tips for {_pick(rng, _CHAT_ACTIVITIES)}."
+    if style == 2:
+        return f"What are the pros and cons of {_pick(rng, _CHAT_CHOICES)}?"
+    if style == 3:
+        return f"{_pick(rng, ['How do I', 'What is the best way to', 'Can you tell me how to'])} {_pick(rng, _CHAT_HOWTOS)}?"
+    if style == 4:
+        lines = _pick(rng, ["", f" Keep it under {n * 20} words.", " Make it funny.", " Give it a hopeful tone."])
+        return f"Write a {_pick(rng, _CHAT_FORMS)} about {_pick(rng, _CHAT_SUBJECTS)}.{lines}"
+    if style == 5:
+        a, b = _pick(rng, _CHAT_COMPARE)
+        return f"Compare {a} and {b}. Which would you recommend, and why?"
+    if style == 6:
+        return f"Summarize the key ideas of {_pick(rng, _CHAT_CONCEPTS)} in {n} sentences."
+    if style == 7:
+        return (f"I'm feeling {_pick(rng, _CHAT_FEELINGS)} about {_pick(rng, _CHAT_SITUATIONS)}. "
+                f"What advice would you give me?")
+    if style == 8:
+        to, about = _pick(rng, _CHAT_EMAILS)
+        return f"Write a {_pick(rng, ['short', 'polite', 'friendly', 'formal'])} email to {to} {about}."
+    if style == 9:
+        return f"Plan a {rng.randint(2, 7)}-day trip to {_pick(rng, _CHAT_PLACES)} for {_pick(rng, _CHAT_TRAVELERS)}."
+    return f"Suggest {n} creative names for a {_pick(rng, _CHAT_NAMEABLES)} and explain each briefly."
+
+
+_PROMPT_BUILDERS: dict[str, Callable[[random.Random], str]] = {
+    "code": _code_prompt, "math": _math_prompt, "chat": _chat_prompt,
+}
+
+
+def training_prompts(n: int = 2400, seed: int = 0) -> datasets.Dataset:
+    """Build ``n`` distinct training prompts, a third each of code, math and chat.
+
+    The prompts come from templates filled with our own vocabularies and random numbers, never
+    from an evaluation set. The same ``(n, seed)`` always gives the same prompts in the same order,
+    and kinds are interleaved so any prefix is balanced too.
+
+    Returns:
+        A dataset with columns ``prompt`` (str) and ``kind`` (``"code"``, ``"math"`` or ``"chat"``).
+    """
+    if n < 1:
+        raise ValueError(f"n must be a positive number of prompts, got {n}.")
+    rng = random.Random(seed)
+    prompts: list[str] = []
+    kinds: list[str] = []
+    seen: set[str] = set()
+    max_attempts = 50 * n  # the template space is far larger; running out means a broken vocabulary
+    for attempt in range(max_attempts):
+        if len(prompts) == n:
+            break
+        kind = PROMPT_KINDS[len(prompts) % len(PROMPT_KINDS)]
+        prompt = _PROMPT_BUILDERS[kind](rng)
+        if prompt not in seen:
+            seen.add(prompt)
+            prompts.append(prompt)
+            kinds.append(kind)
+    if len(prompts) < n:
+        raise RuntimeError(
+            f"Only {len(prompts)} distinct prompts after {max_attempts} attempts; ask for fewer than {n} "
+            f"or add templates/vocabulary in modeling_xpress/data.py."
+        )
+    return datasets.Dataset.from_dict({"prompt": prompts, "kind": kinds})
+
+
+# --------------------------------------------------------------------------------------------
+# Regeneration: the target answers every prompt.
+# --------------------------------------------------------------------------------------------
+
+
+def _conversation(row: dict, system_prompt: str | None) -> list[dict[str, str]]:
+    """The chat messages for one dataset row (a ``prompt`` string or a ``messages`` list)."""
+    if "messages" in row and row["messages"] is not None:
+        messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    else:
+        messages = [{"role": "user", "content": row["prompt"]}]
+    if system_prompt is not None:
+        if messages and messages[0]["role"] == "system":
+            raise ValueError(
+                "A row already starts with a system message and `system_prompt` was given too; "
+                "pass system_prompt=None or drop the system message from the data."
+            )
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    if not messages or messages[-1]["role"] != "user":
+        raise ValueError(f"The conversation must end with a user message for the target to answer, got {messages}.")
+    return messages
+
+
+def _prompt_token_ids(
+    tokenizer: PreTrainedTokenizerBase, prompts: datasets.Dataset, system_prompt: str | None
+) -> list[list[int]]:
+    """Chat-template every row and tokenize it, ending with the assistant turn opener."""
+    if "prompt" not in prompts.column_names and "messages" not in prompts.column_names:
+        raise ValueError(
+            f"The prompts dataset needs a `prompt` (str) or a `messages` (list of {{role, content}}) "
+            f"column; it has {prompts.column_names}."
+        )
+    if not tokenizer.chat_template:
+        raise ValueError("The tokenizer has no chat template; set `tokenizer.chat_template` before regenerating.")
+    return [
+        list(tokenizer.apply_chat_template(
+            _conversation(row, system_prompt), add_generation_prompt=True, tokenize=True, return_dict=False
+        ))
+        for row in prompts
+    ]
+
+
+def _stop_token_ids(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end a response: the target's generation config first, the tokenizer's EOS otherwise."""
+    eos = target.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("Neither the target's generation_config nor the tokenizer defines an EOS token.")
+    return sorted({eos} if isinstance(eos, int) else set(eos))
+
+
+def _left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token lists into (input_ids, attention_mask), padding on the left.
+
+    Left padding puts every prompt's last token in the last column, so new tokens of all rows are
+    appended at the same position; the attention mask hides the padding from the model.
+    """
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)  # (N, T)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)  # (N, T)
+    for row, seq in enumerate(sequences):
+        input_ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[row, width - len(seq):] = 1
+    return input_ids, attention_mask
+
+
+def _trim_response(tokens: list[int], stop_ids: Sequence[int]) -> list[int]:
+    """Keep a generated row up to and including its first stop token.
+
+    ``generate`` fills rows that finished early with padding until the whole batch is done; all of
+    that comes after the row's first stop token. A row without a stop token ran to
+    ``max_new_tokens`` and is kept whole.
+    """
+    for position, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: position + 1]
+    return tokens
+
+
+def _generate_batch(
+    target: PreTrainedModel,
+    prompt_ids: list[list[int]],
+    generation_config: GenerationConfig,
+    stop_ids: Sequence[int],
+) -> list[list[int]]:
+    """Generate responses for a batch of prompts; returns each row's response tokens, trimmed."""
+    input_ids, attention_mask = _left_pad(prompt_ids, generation_config.pad_token_id)
+    with torch.inference_mode():
+        output = target.generate(
+            input_ids=input_ids.to(target.device),
+            attention_mask=attention_mask.to(target.device),
+            generation_config=generation_config,
+        )
+    new_tokens = output[:, input_ids.shape[1]:].tolist()  # (N, new) - generate returns prompt + new tokens
+    return [_trim_response(row, stop_ids) for row in new_tokens]
+
+
+def _model_fingerprint(target: PreTrainedModel) -> str:
+    """A cheap identity for the target: class, dtype and a checksum of its output head."""
+    head = target.get_output_embeddings().weight
+    checksum = float(head.detach().double().sum())
+    return f"{type(target).__name__}|{head.dtype}|{tuple(head.shape)}|{checksum:.6e}"
+
+
+def _run_fingerprint(prompt_ids: list[list[int]], settings: dict, target: PreTrainedModel) -> str:
+    """Hash of everything that decides the shards' contents (batch size deliberately excluded)."""
+    payload = json.dumps({"prompt_ids": prompt_ids, "settings": settings, "model": _model_fingerprint(target)})
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def _write_parquet_atomic(path: Path, table: pa.Table) -> None:
+    """Write a parquet file under a temporary name and rename it, so a killed run never leaves a
+    truncated shard that a resume would mistake for a finished one."""
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
+        pass
+    try:
+        pq.write_table(table, tmp.name)
+        os.chmod(tmp.name, 0o644)  # NamedTemporaryFile makes it private; a shard is ordinary data
+        os.replace(tmp.name, path)
+    except BaseException:
+        Path(tmp.name).unlink(missing_ok=True)
+        raise
+
+
+def _rows_table(indices: list[int], input_ids: list[list[int]], loss_mask: list[list[int]]) -> pa.Table:
+    """An arrow table of finished rows; ``index`` is the row's position in the caller's prompts."""
+    features = datasets.Features({"index": datasets.Value("int64"), **RESPONSE_FEATURES})
+    return pa.table(
+        {"index": indices, "input_ids": input_ids, "loss_mask": loss_mask}, schema=features.arrow_schema
+    )
+
+
+def _shard_path(shard_dir: Path, shard: int) -> Path:
+    return shard_dir / f"shard-{shard:05d}.parquet"
+
+
+def _open_shard_dir(shard_dir: Path, fingerprint: str, settings: dict, num_prompts: int) -> dict:
+    """Create or reopen a shard folder; refuse one that was made from other prompts or settings."""
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = shard_dir / SHARD_MANIFEST
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("fingerprint") != fingerprint:
+            raise ValueError(
+                f"{shard_dir} holds shards of a different run (other prompts, model, chat template or "
+                f"settings; it was made with {manifest.get('settings')}). Use a new shard_dir, or delete "
+                f"this one to start over."
+            )
+        return manifest
+    manifest = {"fingerprint": fingerprint, "settings": settings, "num_prompts": num_prompts, "shards": {}}
+    _write_json_atomic(manifest_path, manifest)
+    return manifest
+
+
+def _table_to_dataset(table: pa.Table) -> datasets.Dataset:
+    """Rows back in the caller's prompt order, without the bookkeeping ``index`` column."""
+    table = table.sort_by("index").drop_columns(["index"])
+    return datasets.Dataset(table.cast(RESPONSE_FEATURES.arrow_schema))
+
+
+def regenerate_responses(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: datasets.Dataset,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    shard_dir: str | os.PathLike | None = None,
+    shard_size: int = 64,
+    system_prompt: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> datasets.Dataset:
+    """Let the target answer every prompt and return token ids with a response-only loss mask.
+
+    Each row of ``prompts`` is either a ``prompt`` string (one user message) or ``messages`` (a
+    list of ``{"role", "content"}`` ending with a user turn). It is formatted with the tokenizer's
+    chat template (``add_generation_prompt=True``) and the target continues it. Prompts are sorted
+    by length so batches carry little padding, padded on the left, and generated in batches; each
+    response is cut after its first EOS (padding that ``generate`` adds to finished rows goes too).
+
+    With ``shard_dir``, prompts are processed in shards of ``shard_size`` and every finished shard
+    is written at once as ``shard-NNNNN.parquet``; calling again with the same arguments skips the
+    finished shards, so an interrupted run resumes where it stopped. A shard folder made from other
+    prompts, model or settings is refused rather than silently mixed in.
+
+    Args:
+        target: the causal LM whose responses we want, in eval mode.
+        tokenizer: its tokenizer, with a chat template. It is not modified.
+        prompts: dataset with a ``prompt`` or a ``messages`` column (other columns are ignored).
+        max_new_tokens: longest response; a response that hits it has no EOS at the end.
+        batch_size: prompts per ``generate`` call. Does not change greedy results (up to float
+            near-ties), so it may differ between a run and its resume.
+        do_sample: sample instead of greedy decoding (pure temperature sampling, no top-k/top-p).
+        temperature: sampling temperature; used only when ``do_sample``.
+        shard_dir: folder for resumable shards; ``None`` keeps everything in memory.
+        shard_size: prompts per shard (a multiple of ``batch_size`` wastes no batch slots).
+        system_prompt: system message put before every conversation; ``None`` leaves the chat
+            template's own default (SmolLM2 adds one of its own).
+        seed: with ``do_sample``, shard ``i`` is sampled under ``torch.manual_seed(seed + i)``, so a
+            resumed run draws the same samples; the caller's RNG state is left untouched.
+        progress: show a tqdm bar over prompts.
+
+    Returns:
+        A dataset in the order of ``prompts`` with columns ``input_ids`` (prompt tokens followed by
+        the response, ending with EOS if the target stopped) and ``loss_mask`` (1 on response tokens,
+        EOS included; 0 on prompt and chat-template tokens).
+    """
+    if target.training:
+        raise ValueError("The target is in training mode; call `target.eval()` before regenerating responses.")
+    if batch_size < 1 or shard_size < 1 or max_new_tokens < 1:
+        raise ValueError(
+            f"batch_size, shard_size and max_new_tokens must be positive, got {batch_size}, {shard_size}, {max_new_tokens}."
+        )
+    if do_sample and temperature <= 0:
+        raise ValueError(f"Sampling needs temperature > 0, got {temperature}; use do_sample=False for greedy.")
+
+    prompt_ids = _prompt_token_ids(tokenizer, prompts, system_prompt)
+    stop_ids = _stop_token_ids(target, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    generation_config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        temperature=temperature if do_sample else None,
+        top_k=0 if do_sample else None,  # the training data should follow the target's full distribution
+        top_p=1.0 if do_sample else None,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_id,
+    )
+    settings = {
+        "max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature if do_sample else None,
+        "seed": seed if do_sample else None, "shard_size": shard_size, "system_prompt": system_prompt,
+        "stop_ids": stop_ids,
+    }
+
+    # Longest prompts first: similar lengths share a batch, and an out-of-memory shows up at once.
+    order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
+    shards = [order[start:start + shard_size] for start in range(0, len(order), shard_size)]
+
+    folder = Path(shard_dir) if shard_dir is not None else None
+    manifest = None
+    if folder is not None:
+        fingerprint = _run_fingerprint(prompt_ids, settings, target)
+        manifest = _open_shard_dir(folder, fingerprint, settings, len(prompt_ids))
+
+    finished = [] if folder is None else [s for s in range(len(shards)) if _shard_path(folder, s).is_file()]
+    done_prompts = sum(len(shards[s]) for s in finished)
+    bar = tqdm(total=len(prompt_ids), initial=done_prompts, unit="prompt", desc="regenerating", disable=not progress)
+    tables: list[pa.Table] = []
+    total_new_tokens, total_seconds = 0, 0.0
+    for shard, indices in enumerate(shards):
+        if folder is not None and _shard_path(folder, shard).is_file():
+            tables.append(pq.read_table(_shard_path(folder, shard)))
+            continue
+        shard_start = time.perf_counter()
+        responses: list[list[int]] = []
+        # Fork the RNG so seeding per shard leaves the caller's random state as it was.
+        rng_devices = [target.device.index or 0] if target.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices, enabled=do_sample):
+            if do_sample:
+                torch.manual_seed(seed + shard)
+            for batch_start in range(0, len(indices), batch_size):
+                batch_start_time = time.perf_counter()
+                batch = [prompt_ids[i] for i in indices[batch_start:batch_start + batch_size]]
+                batch_responses = _generate_batch(target, batch, generation_config, stop_ids)
+                responses.extend(batch_responses)
+                total_new_tokens += sum(len(r) for r in batch_responses)
+                total_seconds += time.perf_counter() - batch_start_time
+                bar.update(len(batch))
+                bar.set_postfix(new_tok_per_s=f"{total_new_tokens / total_seconds:.0f}")
+        seconds = time.perf_counter() - shard_start
+
+        table = _rows_table(
+            indices,
+            [prompt_ids[i] + r for i, r in zip(indices, responses)],
+            [[0] * len(prompt_ids[i]) + [1] * len(r) for i, r in zip(indices, responses)],
+        )
+        tables.append(table)
+        if folder is not None:
+            _write_parquet_atomic(_shard_path(folder, shard), table)
+            manifest["shards"][f"{shard:05d}"] = {
+                "prompts": len(indices), "new_tokens": sum(len(r) for r in responses), "seconds": round(seconds, 3),
+            }
+            _write_json_atomic(folder / SHARD_MANIFEST, manifest)
+    bar.close()
+    return _table_to_dataset(pa.concat_tables(tables))
+
+
+def load_responses(path: str | os.PathLike) -> datasets.Dataset:
+    """Read regenerated responses: a ``.parquet`` file, a folder holding ``responses.parquet``, or
+    a shard folder of :func:`regenerate_responses` (possibly still being written: you get the
+    shards finished so far, in prompt order).
+
+    Returns:
+        A dataset with columns ``input_ids`` and ``loss_mask``.
+    """
+    path = Path(path)
+    if path.is_dir() and (path / "responses.parquet").is_file():
+        path = path / "responses.parquet"
+    if path.is_file() and path.suffix == ".parquet":
+        return datasets.Dataset(pq.read_table(path).cast(RESPONSE_FEATURES.arrow_schema))
+    shard_files = sorted(path.glob("shard-*.parquet")) if path.is_dir() else []
+    if shard_files:
+        return _table_to_dataset(pa.concat_tables([pq.read_table(f) for f in shard_files]))
+    raise ValueError(
+        f"{path} is neither a parquet file, a folder with responses.parquet, nor a shard folder with "
+        f"shard-*.parquet files. Run examples/make_training_data.py to create one."
+    )

