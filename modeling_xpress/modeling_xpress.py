@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
@@ -223,22 +224,18 @@ class XPressPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, Qwen3RMSNorm):
-            nn.init.ones_(module.weight)
+        # Linear/Embedding/RMSNorm and the RoPE buffers follow transformers' defaults. Every tensor, including the
+        # non-persistent buffers below, must be (re)built here: from_pretrained creates modules on the meta device.
+        super()._init_weights(module)
         if isinstance(module, (XPressRefiner, MarkovHead)):
             # A fresh head adds δ = 0, so it starts as the plain drafter and never hurts a converted checkpoint.
-            nn.init.zeros_(module.readout.weight)
+            init.zeros_(module.readout.weight)
         if isinstance(module, XPressRefiner):
-            nn.init.zeros_(module.mix)
+            init.zeros_(module.mix)
+            n = module.causal_mask.shape[0]
+            init.copy_(module.causal_mask, torch.tril(torch.ones(n, n), diagonal=-1))
         if isinstance(module, XPressModel) and module.mask_embedding is not None:
-            nn.init.normal_(module.mask_embedding, mean=0.0, std=std)
+            init.normal_(module.mask_embedding, mean=0.0, std=self.config.initializer_range)
 
 
 class XPressModel(XPressPreTrainedModel):
