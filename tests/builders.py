@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from modeling_xpress import XPressConfig, XPressModel
+from modeling_xpress.synthetic import markov_target, perfect_head, permutation_target  # noqa: F401 (re-exported)
 
 
 def tiny_llama(vocab_size: int = 96, seed: int = 0, **overrides) -> LlamaForCausalLM:
@@ -41,57 +42,6 @@ def tiny_xpress(target, refiner: str = "xpress", seed: int = 1, randomize_head: 
     return model
 
 
-def markov_target(log_probs: torch.Tensor, seed: int = 0) -> LlamaForCausalLM:
-    """A Llama whose next-token log-distribution given current token x is exactly `log_probs[x]` (V × V).
-
-    Attention and MLP outputs are zeroed, so the residual stream is the token embedding; embeddings are one-hot
-    (hidden = V), the final RMSNorm maps e_x to sqrt(V)·e_x, and lm_head column x is `log_probs[x] / sqrt(V)`.
-    """
-    vocab = log_probs.shape[0]
-    target = tiny_llama(vocab_size=vocab, seed=seed, hidden_size=vocab, intermediate_size=32, num_attention_heads=2,
-                        num_key_value_heads=1, num_hidden_layers=2, tie_word_embeddings=False)  # fmt: skip
-    with torch.no_grad():
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        target.model.embed_tokens.weight.copy_(torch.eye(vocab))
-        target.lm_head.weight.copy_(log_probs.T / math.sqrt(vocab))
-    return target
-
-
-def permutation_target(vocab_size: int = 32, seed: int = 0) -> tuple[LlamaForCausalLM, torch.Tensor]:
-    """A deterministic target: next token = perm[current token]. Returns (target, perm)."""
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(vocab_size, generator=g)
-    log_probs = torch.full((vocab_size, vocab_size), -20.0)
-    log_probs[torch.arange(vocab_size), perm] = 0.0
-    return markov_target(log_probs, seed=seed), perm
-
-
-def perfect_head(model: XPressModel, perm: torch.Tensor, scale: float = 100.0) -> None:
-    """Set the head so that δ_k = scale · onehot(perm[x_{k-1}]): it then predicts a permutation target exactly.
-
-    Needs refiner_rank == vocab_size. Works for both the xPress refiner (hidden inputs and mixing switched off,
-    token path = identity) and the Markov head.
-    """
-    vocab, r = perm.shape[0], model.config.refiner_rank
-    assert r == vocab, "perfect_head needs refiner_rank == vocab_size"
-    readout = torch.zeros(vocab, r)
-    readout[perm, torch.arange(vocab)] = scale
-    head = model.refiner
-    with torch.no_grad():
-        head.token_embed.weight.copy_(torch.eye(vocab))
-        head.readout.weight.copy_(readout)
-        if model.config.refiner == "xpress":
-            head.hidden_proj.weight.zero_()
-            head.global_proj.weight.zero_()
-            head.mix.zero_()
-            head.fuse.weight.zero_()
-            head.fuse.weight[:, 2 * r :] = torch.eye(r)
-            head.down.weight.zero_()
-            head.down.bias.zero_()
-
-
 def tiny_tokenizer(vocab_size: int):
     """A word-level tokenizer over the words t0..t{V-1} (one id per word), built in code: no downloads."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -101,3 +51,44 @@ def tiny_tokenizer(vocab_size: int):
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0")
+
+
+def branching_chain(
+    vocab_size: int = 32, num_branches: int = 2, branch_length: int = 3, floor: float = -20.0
+) -> torch.Tensor:
+    """Log-transition table (V × V) of a chain where per-position marginals cannot get a block right.
+
+    Token 0 is followed by the first token of one of `num_branches` branches, uniformly ("she → is / are"); each
+    branch is a fixed run of `branch_length` tokens (1, 2, 3 or 4, 5, 6, …) that returns to 0. A block drafted after 0
+    must commit to one branch: its later tokens are certain given the branch token, but each is a coin flip given only
+    the context. Unused tokens return to 0. `floor` is the log-probability of every impossible transition (a less
+    extreme floor keeps the target's lm_head better conditioned for a drafter learning it from scratch).
+    """
+    if 1 + num_branches * branch_length > vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} is too small for {num_branches} branches of {branch_length} tokens")
+    log_probs = torch.full((vocab_size, vocab_size), floor)
+    log_probs[:, 0] = 0.0  # unused tokens (and branch ends, below) return to 0
+    first_tokens = [1 + b * branch_length for b in range(num_branches)]
+    log_probs[0] = floor
+    log_probs[0, first_tokens] = -math.log(num_branches)
+    for first in first_tokens:
+        for token in range(first, first + branch_length - 1):
+            log_probs[token] = floor
+            log_probs[token, token + 1] = 0.0
+    return log_probs.log_softmax(dim=-1)  # exact log-probabilities whatever the floor
+
+
+def markov_responses(log_probs: torch.Tensor, num_sequences: int, length: int, prompt_length: int = 4, seed: int = 0):
+    """Sequences drawn from the chain `log_probs` (exactly the distribution `markov_target(log_probs)` samples), as a
+    `datasets.Dataset` with `input_ids` and a `loss_mask` that is 0 on the first `prompt_length` tokens."""
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    probs = log_probs.softmax(dim=-1)
+    rows = []
+    for _ in range(num_sequences):
+        tokens = [0]
+        for _ in range(length - 1):
+            tokens.append(int(torch.multinomial(probs[tokens[-1]], 1, generator=g)))
+        rows.append({"input_ids": tokens, "loss_mask": [0] * prompt_length + [1] * (length - prompt_length)})
+    return datasets.Dataset.from_list(rows)
