@@ -1,0 +1,169 @@
+"""Train an xPress refiner (and co-adapt its drafter) against a frozen target with `XPressTrainer`.
+
+One process:
+
+    python examples/train_refiner.py --target path/to/target --init_from path/to/dflash \
+        --data responses.parquet --output_dir runs/xpress --max_steps 2000 --bf16
+
+Several processes (the script is unchanged; on a machine without GPUs add `--multi_gpu`, which makes accelerate
+start torchrun-style processes, and they train on CPU with gloo):
+
+    accelerate launch --num_processes 2 examples/train_refiner.py ...
+
+Smoke test without any download (a tiny random Llama target and synthetic target-written data):
+
+    python examples/train_refiner.py --target tiny-random --output_dir /tmp/xpress-smoke --max_steps 4
+
+Every `--save_steps` a loadable xPress folder is written to `<output_dir>/checkpoint-<step>/`
+(`XPressModel.from_pretrained(folder)`); continue an interrupted run with `--resume_from_checkpoint <folder>` (same
+`--init_from` and data). All `TrainingArguments` flags work (`--learning_rate`, `--bf16`, `--logging_steps`, ...), plus
+the objective's own (`--train_mode`, `--consistency_weight`, `--anchors_per_sequence`, ...; see
+`modeling_xpress.training.XPressTrainingArguments`).
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, LlamaForCausalLM, set_seed
+
+from modeling_xpress import XPressConfig, XPressModel
+from modeling_xpress.training import XPressTrainer, XPressTrainingArguments
+
+TINY_RANDOM = "tiny-random"
+
+
+@dataclass
+class ScriptArguments:
+    target: str = field(
+        metadata={"help": f"Local HF folder of the target model, or '{TINY_RANDOM}' for a tiny random Llama + synthetic data."}
+    )
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file name inside --target (e.g. SmolLM2)."})
+    target_dtype: str = field(default="float32", metadata={"help": "Dtype of the frozen target: float32 or bfloat16."})
+    init_from: str = field(
+        default="",
+        metadata={"help": "A dFlash folder (converted, fresh head), an xPress folder, or empty for a fresh drafter."},
+    )
+    data: str = field(
+        default="",
+        metadata={"help": "Training data: a `datasets` folder (save_to_disk), a .parquet file, or a response shard folder."},
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training rows."})
+    # Head and drafter shape (a fresh drafter uses all of them; a dFlash checkpoint only the head ones).
+    refiner: str | None = field(
+        default=None,
+        metadata={"help": "xpress, markov or none; default: xpress (kept from the folder when --init_from is xPress)."},
+    )
+    refiner_rank: int = field(default=256, metadata={"help": "Low rank r of the refiner / Markov head."})
+    block_size: int = field(default=16, metadata={"help": "Fresh drafter: tokens per block, anchor included."})
+    num_draft_layers: int = field(default=5, metadata={"help": "Fresh drafter: number of decoder layers."})
+    draft_intermediate_size: int | None = field(default=None, metadata={"help": "Fresh drafter: MLP width (default: target's)."})
+    mask_token_id: int | None = field(default=None, metadata={"help": "Fresh drafter: mask token id (default: learned vector)."})
+
+
+def tiny_random_target(seed: int) -> LlamaForCausalLM:
+    """A 4-layer, 64-wide random Llama with a 128-token vocabulary: enough to exercise the whole pipeline."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+@torch.no_grad()
+def synthetic_responses(target, num_rows: int = 64, prompt_length: int = 8, response_length: int = 40, seed: int = 0):
+    """Random prompts answered by the target itself (sampled), with the loss mask on the answers only."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, target.config.vocab_size, (num_rows, prompt_length), generator=g)
+    torch.manual_seed(seed)
+    out = target.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        do_sample=True,
+        max_new_tokens=response_length,
+        min_new_tokens=response_length,
+        pad_token_id=0,
+    )
+    mask = [0] * prompt_length + [1] * response_length
+    return datasets.Dataset.from_dict({"input_ids": out.tolist(), "loss_mask": [mask] * num_rows})
+
+
+def load_target(args: ScriptArguments, seed: int):
+    if args.target == TINY_RANDOM:
+        return tiny_random_target(seed)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.target_dtype)
+    if dtype is None:
+        raise ValueError(f"--target_dtype must be float32 or bfloat16, got {args.target_dtype!r}")
+    kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
+    return AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, **kwargs).eval()
+
+
+def load_data(args: ScriptArguments, target, seed: int) -> datasets.Dataset:
+    if not args.data:
+        if args.target != TINY_RANDOM:
+            raise ValueError("--data is required (regenerate responses with modeling_xpress.data first)")
+        data = synthetic_responses(target, seed=seed)
+    else:
+        path = Path(args.data)
+        if path.is_dir() and (path / "dataset_info.json").is_file():
+            data = datasets.load_from_disk(str(path))
+        elif path.suffix == ".parquet":
+            data = datasets.Dataset.from_parquet(str(path))
+        else:  # a shard folder written by regenerate_responses
+            from modeling_xpress.data import load_responses
+
+            data = load_responses(path)
+    missing = {"input_ids", "loss_mask"} - set(data.column_names)
+    if missing:
+        raise ValueError(f"{args.data or 'the data'} lacks the columns {sorted(missing)}; need input_ids and loss_mask")
+    if args.max_train_samples is not None:
+        data = data.select(range(min(args.max_train_samples, len(data))))
+    return data
+
+
+def build_drafter(args: ScriptArguments, target) -> XPressModel:
+    """Fresh drafter, a converted dFlash checkpoint, or an existing xPress checkpoint (`--init_from`)."""
+    head = {"refiner_rank": args.refiner_rank}
+    if args.refiner is not None:
+        head["refiner"] = args.refiner
+    if not args.init_from:
+        shape = dict(block_size=args.block_size, num_hidden_layers=args.num_draft_layers, mask_token_id=args.mask_token_id)
+        if args.draft_intermediate_size is not None:
+            shape["intermediate_size"] = args.draft_intermediate_size
+        return XPressModel(XPressConfig.from_target_config(target.config, **shape, **head))
+    folder = Path(args.init_from)
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") == "xpress":
+        if args.refiner is not None and args.refiner != config.get("refiner"):
+            raise ValueError(
+                f"--refiner {args.refiner} differs from the checkpoint's refiner={config.get('refiner')!r}; "
+                "start from the dFlash drafter (or a fresh one) to train another head"
+            )
+        return XPressModel.from_pretrained(folder)
+    return XPressModel.from_dflash(folder, **head)
+
+
+def main() -> None:
+    script_args, training_args = HfArgumentParser((ScriptArguments, XPressTrainingArguments)).parse_args_into_dataclasses()
+    set_seed(training_args.seed)
+    target = load_target(script_args, training_args.seed)
+    data = load_data(script_args, target, training_args.seed)
+    xpress = build_drafter(script_args, target)
+    trainer = XPressTrainer(model=xpress, target=target, args=training_args, train_dataset=data)
+    if trainer.is_world_process_zero():
+        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        print(
+            f"xPress training: {training_args.world_size} process(es), train_mode={training_args.train_mode}, "
+            f"refiner={xpress.config.refiner}, block_size={xpress.config.block_size}, {len(data)} rows, "
+            f"{trainable:,} trainable parameters",
+            flush=True,
+        )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,709 @@
+"""Training xPress with transformers' `Trainer`: the paper's objective (§4.3, SPEC §4) against a frozen target.
+
+Read top to bottom:
+
+1. `XPressTrainingArguments` — the objective's knobs on top of `TrainingArguments`.
+2. `XPressDataCollator` — pads sequences and samples random block anchors inside the responses.
+3. The objective as plain functions: block layout (`block_attention_mask`, `block_position_ids`, `draft_blocks`),
+   the frozen target's signals (`target_signals`), the per-distribution loss (`distribution_loss`) and the schedule
+   (`position_weights`, `anchor_weight`); `XPressObjective` composes them into
+   `L(p^r) + w_anchor · L(p^b) + w_cons · L(p̂^r)`.
+4. `XPressTrainer` — holds the frozen target, freezes / LoRA-wraps the drafter, logs every term, and writes each
+   checkpoint as a loadable xPress Hub folder (LoRA merged, target never saved) that `resume_from_checkpoint` reads.
+
+Shapes: b = sequences, T = padded sequence length, m = anchors per sequence, B = block size, n = B - 1 draft
+positions, N = valid blocks in the batch, H = hidden width, V = vocabulary.
+
+This file does not travel with checkpoints (it imports peft and the Trainer); only the package uses it.
+"""
+
+import copy
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.utils import ModelOutput, logging
+
+from .modeling_xpress import XPressModel
+
+logger = logging.get_logger(__name__)
+
+TRAIN_MODES = ("refiner", "full", "lora")
+# Drafter modules LoRA adapts by default: every attention and MLP projection of its decoder layers (not `fc`, the
+# context projection, and never the refiner, which is trained in full).
+DEFAULT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Sub-folder of a LoRA checkpoint holding the unmerged adapter: the merged weights alone cannot be resumed from.
+LORA_CHECKPOINT_DIR = "lora_adapter"
+_BASE_FINGERPRINT_FILE = "xpress_base_fingerprint.json"
+IGNORE_INDEX = -100
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. Arguments
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class XPressTrainingArguments(TrainingArguments):
+    """`TrainingArguments` plus the xPress objective (paper §4.3). Defaults follow the paper.
+
+    The per-distribution loss is `L(p) = Σ_k w_k [ce_weight · CE_k + l1_weight · ‖p_k − p^t_k‖₁] / Σ_k w_k` over valid
+    block positions, with `w_k = exp(−(k−1)/γ)`; the total is `L(p^r) + w_anchor · L(p^b) + consistency_weight ·
+    L(p̂^r)` where `w_anchor` falls linearly from `anchor_weight_start` to `anchor_weight_floor` over the run.
+    """
+
+    # Random block anchors drawn per sequence (fewer when the response is shorter). Each anchor is one block of
+    # `block_size - 1` supervised positions, so a batch holds up to batch_size × anchors_per_sequence blocks.
+    anchors_per_sequence: int = field(default=8, metadata={"help": "Random block anchors sampled per sequence."})
+    # γ of the position weights w_k = exp(−(k−1)/γ). None → 7 · block_size / 16 (the paper's γ = 7 at B = 16, scaled
+    # so the weights decay over the same fraction of any block).
+    loss_gamma: float | None = field(
+        default=None, metadata={"help": "Position-weight decay γ; None → 7 · block_size / 16."}
+    )
+    # α_ce: weight of the teacher-forced cross-entropy against the data token.
+    ce_weight: float = field(default=1.0, metadata={"help": "Weight α_ce of the cross-entropy term."})
+    # α_l1: weight of ‖p − p^t‖₁ = 2 · (1 − acceptance rate) against the target's distribution.
+    l1_weight: float = field(default=1.0, metadata={"help": "Weight α_l1 of the L1 (total-variation) term."})
+    # β: weight of the consistency loss L(p̂^r), the refiner fed the drafter's own argmax tokens (what Jacobi sees).
+    consistency_weight: float = field(default=0.3, metadata={"help": "Weight of the consistency term L(p̂^r)."})
+    # λ: weight of the drafter-anchor loss L(p^b) at the first step …
+    anchor_weight_start: float = field(default=0.6, metadata={"help": "Drafter-anchor weight at the first step."})
+    # … annealed linearly to this value at the last step.
+    anchor_weight_floor: float = field(default=0.2, metadata={"help": "Drafter-anchor weight at the last step."})
+    # What is trained: "refiner" (drafter frozen), "full" (refiner + whole drafter, the paper's co-training) or
+    # "lora" (refiner + LoRA adapters on the drafter's projections, merged into every saved checkpoint).
+    train_mode: str = field(default="full", metadata={"help": f"One of {TRAIN_MODES}."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (train_mode='lora')."})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA scaling α (train_mode='lora')."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch (train_mode='lora')."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES),
+        metadata={"help": "Drafter module names LoRA adapts (train_mode='lora')."},
+    )
+    # Sequences longer than this are cut (prompt kept, response truncated) to bound memory; None keeps them whole.
+    max_seq_length: int | None = field(default=None, metadata={"help": "Truncate sequences to this many tokens."})
+
+    # --- TrainingArguments defaults changed for xPress ---
+    learning_rate: float = field(default=6e-4, metadata={"help": "AdamW learning rate (paper: 6e-4)."})
+    # The collator needs `loss_mask`, which no model forward takes: columns must not be pruned.
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Must stay False for xPress."})
+    # The objective uses every trainable parameter in every step, so DDP need not search for unused ones.
+    ddp_find_unused_parameters: bool | None = field(default=False, metadata={"help": "See TrainingArguments."})
+
+    def __post_init__(self):
+        self.validate_xpress()
+        # `accelerate launch` / `torchrun` with several processes on a machine without accelerators would otherwise
+        # leave every process training alone (transformers only joins CPU processes when `use_cpu` is set).
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
+            self.use_cpu = True
+        super().__post_init__()
+
+    def validate_xpress(self) -> None:
+        """Raise a `ValueError` naming the first xPress field whose value cannot work."""
+        if self.anchors_per_sequence < 1:
+            raise ValueError(f"anchors_per_sequence must be >= 1, got {self.anchors_per_sequence}")
+        if self.loss_gamma is not None and not self.loss_gamma > 0:
+            raise ValueError(f"loss_gamma must be > 0 (or None for 7 · block_size / 16), got {self.loss_gamma}")
+        for name in ("ce_weight", "l1_weight", "consistency_weight", "anchor_weight_start", "anchor_weight_floor"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.ce_weight == 0 and self.l1_weight == 0:
+            raise ValueError("ce_weight and l1_weight are both 0: the objective would be empty")
+        if self.anchor_weight_floor > self.anchor_weight_start:
+            raise ValueError(
+                f"anchor_weight_floor ({self.anchor_weight_floor}) must not exceed anchor_weight_start "
+                f"({self.anchor_weight_start}): the drafter-anchor weight is annealed downwards"
+            )
+        if self.train_mode not in TRAIN_MODES:
+            raise ValueError(f"train_mode must be one of {TRAIN_MODES}, got {self.train_mode!r}")
+        if self.lora_r < 1:
+            raise ValueError(f"lora_r must be >= 1, got {self.lora_r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.train_mode == "lora" and not self.lora_target_modules:
+            raise ValueError("lora_target_modules is empty: train_mode='lora' needs at least one drafter module")
+        if self.max_seq_length is not None and self.max_seq_length < 2:
+            raise ValueError(f"max_seq_length must be >= 2 (an anchor and its next token), got {self.max_seq_length}")
+        if self.remove_unused_columns:
+            raise ValueError(
+                "remove_unused_columns=True would drop the `loss_mask` column the xPress collator needs; leave it False"
+            )
+        if self.gradient_checkpointing:
+            raise ValueError("gradient_checkpointing=True is not supported: the xPress drafter has no checkpointing")
+
+    def resolved_gamma(self, block_size: int) -> float:
+        """γ for a drafter with `block_size`: `loss_gamma`, or 7 · block_size / 16 when it is None."""
+        return self.loss_gamma if self.loss_gamma is not None else 7.0 * block_size / 16
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. Data
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class XPressDataCollator:
+    """Batches `{"input_ids", "loss_mask"}` rows and samples the blocks to train on (SPEC §4).
+
+    An anchor is a position t with `loss_mask[t] == loss_mask[t+1] == 1` (inside a response, with at least one
+    response token after it). Up to `anchors_per_sequence` distinct anchors are drawn per sequence, uniformly and
+    without replacement, from a `torch.Generator` seeded with `seed`, so a run is reproducible.
+
+    Returns right-padded `input_ids` / `attention_mask` (b, T); `anchors` (b, m) positions and `anchor_mask` (b, m)
+    (False on the padding slots of sequences with fewer than m anchors); `labels` (b, m, n): block position k of the
+    block anchored at t is labelled with token t+k, or -100 from the first position that runs past the sequence or
+    leaves the response (a draft past a non-response token can never be accepted as a continuation of it).
+    """
+
+    block_size: int
+    anchors_per_sequence: int = 8
+    pad_token_id: int = 0
+    max_length: int | None = None
+    seed: int = 0
+    generator: torch.Generator = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.anchors_per_sequence < 1:
+            raise ValueError(f"anchors_per_sequence must be >= 1, got {self.anchors_per_sequence}")
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        rows = []
+        for i, row in enumerate(features):
+            ids, mask = list(row["input_ids"]), list(row["loss_mask"])
+            if len(ids) != len(mask):
+                raise ValueError(f"row {i}: input_ids has {len(ids)} tokens but loss_mask has {len(mask)}")
+            if self.max_length is not None:
+                ids, mask = ids[: self.max_length], mask[: self.max_length]
+            rows.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)))
+        b, t_max = len(rows), max(len(ids) for ids, _ in rows)
+        m, n = self.anchors_per_sequence, self.block_size - 1
+
+        input_ids = torch.full((b, t_max), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros(b, t_max, dtype=torch.long)
+        in_response = torch.zeros(b, t_max, dtype=torch.bool)
+        anchors = torch.zeros(b, m, dtype=torch.long)
+        anchor_mask = torch.zeros(b, m, dtype=torch.bool)
+        for i, (ids, mask) in enumerate(rows):
+            input_ids[i, : len(ids)] = ids
+            attention_mask[i, : len(ids)] = 1
+            in_response[i, : len(ids)] = mask
+            eligible = (mask[:-1] & mask[1:]).nonzero().flatten()  # t with loss_mask[t] == loss_mask[t+1] == 1
+            pick = torch.randperm(len(eligible), generator=self.generator)[:m]
+            chosen = eligible[pick].sort().values
+            anchors[i, : len(chosen)] = chosen
+            anchor_mask[i, : len(chosen)] = True
+
+        # Label of block position k (1..n) is the token at anchor + k while every token up to it is a response token.
+        offsets = torch.arange(1, n + 1)
+        positions = anchors[..., None] + offsets  # (b, m, n)
+        inside = positions < t_max
+        clamped = positions.clamp(max=t_max - 1)
+        gathered_ok = torch.gather(in_response[:, None, :].expand(-1, m, -1), 2, clamped) & inside
+        valid = gathered_ok.long().cumprod(dim=-1).bool() & anchor_mask[..., None]
+        tokens = torch.gather(input_ids[:, None, :].expand(-1, m, -1), 2, clamped)
+        labels = torch.where(valid, tokens, torch.full_like(tokens, IGNORE_INDEX))
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "anchors": anchors,
+            "anchor_mask": anchor_mask,
+            "labels": labels,
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. The objective
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def position_weights(num_draft_tokens: int, gamma: float, device=None, dtype=torch.float32) -> torch.Tensor:
+    """w_k = exp(−(k−1)/γ) for k = 1..n: a mismatch at k voids every later draft, so early positions weigh more."""
+    k = torch.arange(num_draft_tokens, device=device, dtype=dtype)
+    return torch.exp(-k / gamma)
+
+
+def anchor_weight(step: int, total_steps: int, start: float, floor: float) -> float:
+    """Drafter-anchor weight λ at `step`: linear from `start` (step 0) to `floor` (last step); `start` if unknown."""
+    if total_steps <= 0:
+        return start
+    return start + (floor - start) * min(step / total_steps, 1.0)
+
+
+def block_position_ids(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Positions of `[context ; blocks]`: context 0..T-1, block j at anchor_j .. anchor_j + B - 1. → (b, T + m·B)."""
+    b = anchors.shape[0]
+    context = torch.arange(context_len, device=anchors.device).expand(b, -1)
+    blocks = (anchors[..., None] + torch.arange(block_size, device=anchors.device)).reshape(b, -1)
+    return torch.cat([context, blocks], dim=1)
+
+
+def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Boolean (b, 1, m·B, T + m·B) mask, True = attend, reproducing inference for every block at once.
+
+    A block anchored at t sees the context strictly before t (the anchor is the target's newest token, so its
+    features are not known yet when the block is drafted), every position of itself, and no other block.
+    """
+    b, m = anchors.shape
+    q = m * block_size
+    device = anchors.device
+    query_anchor = anchors.repeat_interleave(block_size, dim=1)  # (b, q) anchor of each query's block
+    sees_context = torch.arange(context_len, device=device).view(1, 1, -1) < query_anchor[..., None]  # (b, q, T)
+    query_block = torch.arange(q, device=device) // block_size
+    sees_block = (query_block[:, None] == query_block[None, :]).expand(b, q, q)  # block-diagonal
+    return torch.cat([sees_context, sees_block], dim=-1).unsqueeze(1)
+
+
+def draft_blocks(
+    xpress: XPressModel, embed_tokens: nn.Module, context: torch.Tensor, anchors: torch.Tensor, anchor_ids: torch.Tensor
+) -> torch.Tensor:
+    """One drafter forward over every block of the batch: (b, m) anchors → last hidden states (b, m, B, H).
+
+    context: (b, T, L·H_t) target features of every token; anchors: (b, m) positions; anchor_ids: (b, m) tokens.
+    """
+    b, m = anchors.shape
+    block = xpress.config.block_size
+    dtype = xpress.fc.weight.dtype
+    noise_embeds = xpress.embed_blocks(anchor_ids, embed_tokens)  # (b, m·B, H)
+    out = xpress(
+        noise_embeds=noise_embeds.to(dtype),
+        context_hidden_states=context.to(dtype),
+        position_ids=block_position_ids(anchors, context.shape[1], block),
+        attention_mask=block_attention_mask(anchors, context.shape[1], block),
+    )
+    return out.last_hidden_state.view(b, m, block, -1)
+
+
+@dataclass
+class TargetSignals:
+    context: torch.Tensor  # (b, T, L·H_t) features of the chosen target layers for every token
+    probs: torch.Tensor  # (N, n, V) target next-token distribution p^t at every position of every valid block
+
+
+@torch.no_grad()
+def target_signals(
+    target: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    anchors: torch.Tensor,
+    anchor_mask: torch.Tensor,
+    layer_ids: list[int],
+    num_draft_tokens: int,
+) -> TargetSignals:
+    """One frozen-target forward, teacher-forced on the data: the drafter's context and p^t for each valid block.
+
+    Block position k of a block anchored at t predicts token t+k, so its p^t is the softmax of the target's logits at
+    position t+k-1. Only the positions some block needs go through the lm_head (`logits_to_keep`).
+    """
+    t_len = input_ids.shape[1]
+    offsets = torch.arange(num_draft_tokens, device=input_ids.device)
+    positions = (anchors[..., None] + offsets).clamp(max=t_len - 1)[anchor_mask]  # (N, n)
+    keep = torch.unique(positions)  # sorted
+    out = target(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        output_hidden_states=[i + 1 for i in layer_ids],
+        logits_to_keep=keep,
+    )
+    context = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    b, m = anchors.shape
+    rows = torch.arange(b, device=input_ids.device).view(b, 1, 1).expand(b, m, num_draft_tokens)[anchor_mask]
+    logits = out.logits[rows, torch.searchsorted(keep, positions)]  # (N, n, V)
+    return TargetSignals(context=context, probs=logits.float().softmax(dim=-1))
+
+
+@dataclass
+class DistributionLoss:
+    loss: torch.Tensor  # scalar: Σ w_k valid [α_ce CE + α_l1 L1] / Σ w_k valid
+    ce: torch.Tensor  # (N, n) −log p_k(x*_k), 0 where invalid
+    l1: torch.Tensor  # (N, n) ‖p_k − p^t_k‖₁, 0 where invalid
+    valid: torch.Tensor  # (N, n) bool
+
+    @property
+    def accept(self) -> torch.Tensor:
+        """(N, n) acceptance probability under speculative sampling, 1 − TV = 1 − ½‖p − p^t‖₁ (0 where invalid)."""
+        return (1.0 - 0.5 * self.l1.detach()) * self.valid
+
+
+def distribution_loss(
+    logits: torch.Tensor,
+    target_probs: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    ce_weight: float,
+    l1_weight: float,
+) -> DistributionLoss:
+    """Paper eq. (14) for one distribution p = softmax(logits): logits/target_probs (N, n, V), labels (N, n) with -100
+    on ignored positions, weights (n,) position weights. Normalised by the weight of the valid positions."""
+    valid = labels != IGNORE_INDEX
+    log_p = logits.float().log_softmax(dim=-1)  # fp32: the softmax over a large vocabulary needs the range
+    ce = -log_p.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * valid
+    l1 = (log_p.exp() - target_probs).abs().sum(dim=-1) * valid
+    w = weights.view(1, -1) * valid
+    # clamp: a batch without a single valid position yields 0 (still connected to the graph, so DDP sees every
+    # parameter) instead of 0/0.
+    loss = (w * (ce_weight * ce + l1_weight * l1)).sum() / w.sum().clamp(min=1e-12)
+    return DistributionLoss(loss=loss, ce=ce, l1=l1, valid=valid)
+
+
+@dataclass
+class XPressObjectiveOutput(ModelOutput):
+    """`loss` to optimise; `metrics`: name → tensor([sum, count]) of every logged quantity (summed over batches and
+    processes, then divided, so averages are exact)."""
+
+    loss: torch.Tensor | None = None
+    metrics: dict[str, torch.Tensor] | None = None
+
+
+def previous_tokens(anchor_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The head's token inputs x_0..x_{n-1} = [anchor, y_1..y_{n-1}] for block tokens y_1..y_n: (N,), (N, n) → (N, n)."""
+    return torch.cat([anchor_ids.view(-1, 1), tokens[:, :-1]], dim=1)
+
+
+def _mean_metric(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.stack([(values.detach() * mask).sum().float(), mask.sum().float()])
+
+
+class XPressObjective(nn.Module):
+    """The training loss of one batch, as a module so that DDP wraps (and synchronises) all of it.
+
+    It owns the drafter being trained (an `XPressModel`, or the `PeftModel` around it) and *borrows* the frozen
+    target: the target is deliberately not a submodule, so it is never saved, never handed to the optimizer and
+    never wrapped or broadcast by DDP. Its embedding table and lm_head are used, frozen, by the drafter.
+    """
+
+    def __init__(
+        self,
+        xpress: nn.Module,
+        target: PreTrainedModel,
+        *,
+        gamma: float,
+        ce_weight: float = 1.0,
+        l1_weight: float = 1.0,
+        consistency_weight: float = 0.3,
+    ):
+        super().__init__()
+        self.xpress = xpress
+        object.__setattr__(self, "target", target)  # borrowed, see the class docstring
+        self.gamma = gamma
+        self.ce_weight = ce_weight
+        self.l1_weight = l1_weight
+        self.consistency_weight = consistency_weight
+
+    @property
+    def core(self) -> XPressModel:
+        """The `XPressModel` itself (inside the PEFT wrapper when training LoRA)."""
+        return self.xpress.get_base_model() if hasattr(self.xpress, "get_base_model") else self.xpress
+
+    def _drafter_trainable(self) -> bool:
+        return any(p.requires_grad for name, p in self.core.named_parameters() if not name.startswith("refiner."))
+
+    def _delta(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """Head correction δ (N, n, V) from drafter states (N, n, H) and previous tokens x_0..x_{n-1} (N, n)."""
+        if self.core.config.refiner == "markov":
+            return self.core.refiner(previous)
+        return self.core.refiner(hidden, previous)
+
+    def _loss(self, logits, signals, labels, weights) -> DistributionLoss:
+        return distribution_loss(logits, signals.probs, labels, weights, self.ce_weight, self.l1_weight)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        anchors: torch.LongTensor,
+        anchor_mask: torch.BoolTensor,
+        labels: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        anchor_weight: float = 0.6,
+    ) -> XPressObjectiveOutput:
+        """Batch from `XPressDataCollator` → total loss and metrics. `anchor_weight` is λ of the current step."""
+        core = self.core
+        config = core.config
+        embed_tokens, lm_head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
+        signals = target_signals(
+            self.target, input_ids, attention_mask, anchors, anchor_mask, config.target_layer_ids, config.num_draft_tokens
+        )
+        anchor_ids = torch.gather(input_ids, 1, anchors)  # (b, m)
+        # A frozen drafter (train_mode="refiner") runs without a graph: nothing upstream of the head needs gradients.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self._drafter_trainable()):
+            hidden = draft_blocks(core, embed_tokens, signals.context, anchors, anchor_ids)[anchor_mask]  # (N, B, H)
+        hidden = hidden[:, 1:]  # draft positions 1..n, (N, n, H)
+        anchor_ids, labels = anchor_ids[anchor_mask], labels[anchor_mask]  # (N,), (N, n)
+        base = lm_head(hidden.to(lm_head.weight.dtype))  # s, (N, n, V)
+        weights = position_weights(config.num_draft_tokens, self.gamma, device=base.device)
+
+        terms: dict[str, DistributionLoss] = {"base": self._loss(base, signals, labels, weights)}
+        if core.refiner is None:  # dFlash's own objective: the drafter's distribution is the draft distribution
+            loss, main = terms["base"].loss, "base"
+        else:
+            # p^r: teacher forcing, the head sees the gold previous tokens [anchor, x*_1..x*_{n-1}]. Ignored labels
+            # only ever feed ignored positions (validity is a prefix), so their placeholder ids do not matter.
+            gold = previous_tokens(anchor_ids, labels.clamp(min=0))
+            terms["refined"] = self._loss(base + self._delta(hidden, gold), signals, labels, weights)
+            # p̂^r: the head fed the drafter's own argmax, the seed Jacobi refinement starts from.
+            drafted = previous_tokens(anchor_ids, base.detach().argmax(dim=-1))
+            terms["consistency"] = self._loss(base + self._delta(hidden, drafted), signals, labels, weights)
+            loss = (
+                terms["refined"].loss
+                + anchor_weight * terms["base"].loss
+                + self.consistency_weight * terms["consistency"].loss
+            )
+            main = "refined"
+
+        metrics: dict[str, torch.Tensor] = {}
+        one = torch.ones((), device=base.device)
+        for name, term in terms.items():
+            metrics[f"loss_{name}"] = torch.stack([term.loss.detach().float(), one])
+            metrics[f"ce_{name}"] = _mean_metric(term.ce, term.valid)
+            metrics[f"l1_{name}"] = _mean_metric(term.l1, term.valid)
+            metrics[f"accept_{name}"] = _mean_metric(term.accept, term.valid)
+        if core.refiner is not None:
+            metrics["anchor_weight"] = torch.stack([torch.tensor(float(anchor_weight), device=base.device), one])
+        accept = terms[main].accept  # (N, n), of the distribution drafts are drawn from
+        for k in range(config.num_draft_tokens):
+            metrics[f"accept_k{k + 1}"] = _mean_metric(accept[:, k], terms[main].valid[:, k])
+        # τ estimate at temperature 1: 1 + Σ_k Π_{j≤k} (1 − TV_j), over blocks whose every position is labelled.
+        full = terms[main].valid.all(dim=-1)
+        metrics["tau_estimate"] = _mean_metric(1.0 + accept.cumprod(dim=-1).sum(dim=-1), full)
+        return XPressObjectiveOutput(loss=loss, metrics=metrics)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. Trainer
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def prepare_for_training(xpress: XPressModel, args: XPressTrainingArguments) -> nn.Module:
+    """Apply `args.train_mode`: freeze the drafter, unfreeze everything, or wrap it with LoRA (peft).
+
+    The head is always trained in full; with LoRA it is declared `modules_to_save`, so the adapter checkpoint carries
+    it and `merge_and_unload` puts the trained copy back in place.
+    """
+    if args.train_mode == "refiner":
+        if xpress.refiner is None:
+            raise ValueError(
+                "train_mode='refiner' trains only the head, but this model has refiner='none'. Use train_mode='full' "
+                "(or 'lora') to train the drafter alone."
+            )
+        xpress.requires_grad_(False)
+        xpress.refiner.requires_grad_(True)
+        return xpress
+    if args.train_mode == "full":
+        return xpress.requires_grad_(True)
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=list(args.lora_target_modules),
+        modules_to_save=["refiner"] if xpress.refiner is not None else None,
+    )
+    return get_peft_model(xpress, lora)
+
+
+def _frozen_fingerprint(model: nn.Module) -> str:
+    """sha256 of every frozen tensor of the LoRA-wrapped drafter: the base an adapter checkpoint is only valid on."""
+    digest = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        if not p.requires_grad:
+            digest.update(name.encode())
+            digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class XPressTrainer(Trainer):
+    """`Trainer` for an xPress drafter + head against a frozen target, with the paper's objective.
+
+    Example:
+
+    ```python
+    >>> args = XPressTrainingArguments(output_dir="out", max_steps=1000, per_device_train_batch_size=8, bf16=True)
+    >>> trainer = XPressTrainer(model=xpress, target=target, args=args, train_dataset=responses)
+    >>> trainer.train()  # checkpoints in out/checkpoint-*/ load with XPressModel.from_pretrained
+    ```
+
+    `model` is the `XPressModel` to train (fresh, converted from dFlash, or a previous xPress checkpoint); `target`
+    the model it drafts for. The target is frozen, put in eval mode, moved to the training device, and never saved.
+    `train_dataset` rows hold `input_ids` and `loss_mask` (1 on response tokens), e.g. from
+    `modeling_xpress.data.regenerate_responses`. Every checkpoint (and `save_model`) is a self-contained xPress Hub
+    folder — LoRA merged — plus the Trainer's state, so `train(resume_from_checkpoint=...)` continues the run.
+    `self.model` is the `XPressObjective` (the module DDP wraps); `self.xpress` the drafter being trained.
+    """
+
+    def __init__(
+        self,
+        model: XPressModel,
+        target: PreTrainedModel,
+        args: XPressTrainingArguments,
+        train_dataset=None,
+        eval_dataset=None,
+        data_collator=None,
+        **kwargs,
+    ):
+        if not isinstance(args, XPressTrainingArguments):
+            raise ValueError(f"args must be XPressTrainingArguments (it carries the objective), got {type(args).__name__}")
+        if not (isinstance(model, PreTrainedModel) and getattr(model.config, "model_type", None) == "xpress"):
+            raise ValueError(f"model must be an XPressModel, got {type(model).__name__}")
+        if kwargs.get("model_init") is not None:
+            raise ValueError("model_init is not supported by XPressTrainer; pass the XPressModel as model=")
+        model.config.check_target(target.config)
+        target.requires_grad_(False).eval()
+        self.target = target
+        self.xpress = prepare_for_training(model, args)
+        self.is_lora = args.train_mode == "lora"
+        self._base_fingerprint = _frozen_fingerprint(self.xpress) if self.is_lora else None
+        objective = XPressObjective(
+            self.xpress,
+            target,
+            gamma=args.resolved_gamma(model.config.block_size),
+            ce_weight=args.ce_weight,
+            l1_weight=args.l1_weight,
+            consistency_weight=args.consistency_weight,
+        )
+        if data_collator is None:
+            data_collator = XPressDataCollator(
+                block_size=model.config.block_size,
+                anchors_per_sequence=args.anchors_per_sequence,
+                pad_token_id=model.config.pad_token_id or 0,
+                max_length=args.max_seq_length,
+                # Different processes draw different anchors (their batches differ anyway; this avoids lockstep).
+                seed=args.seed + args.process_index,
+            )
+        super().__init__(
+            model=objective,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            data_collator=data_collator,
+            **kwargs,
+        )
+        # The objective returns a per-batch mean: the Trainer must divide it for gradient accumulation itself.
+        self.model_accepts_loss_kwargs = False
+        self.loss_is_scaled_for_ga = False
+        self.target.to(self.args.device)
+        self._metric_sums: dict[str, dict[str, torch.Tensor]] = {"train": {}, "eval": {}}
+
+    # --- loss and logs -----------------------------------------------------------------------------------------------
+
+    def current_anchor_weight(self) -> float:
+        """λ for the step being trained: annealed linearly from `anchor_weight_start` to `anchor_weight_floor`."""
+        return anchor_weight(
+            self.state.global_step, self.state.max_steps, self.args.anchor_weight_start, self.args.anchor_weight_floor
+        )
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs, anchor_weight=self.current_anchor_weight())
+        sums = self._metric_sums["train" if model.training else "eval"]
+        for name, value in outputs.metrics.items():
+            sums[name] = sums[name] + value if name in sums else value.detach().clone()
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation computes the objective (and its metrics); there are no logits worth gathering."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def _flush_metrics(self, split: str) -> dict[str, float]:
+        """Averages of the metrics recorded since the last log, over steps and processes; resets them."""
+        sums = self._metric_sums[split]
+        names = list(sums)
+        stacked = torch.stack([sums[name] for name in names]).to(self.args.device)  # (K, 2): sum, count
+        if self.accelerator.num_processes > 1:  # every process logs at the same step, so this collective is safe
+            stacked = self.accelerator.reduce(stacked, reduction="sum")
+        sums.clear()
+        prefix = "eval_" if split == "eval" else ""
+        return {prefix + name: s / c for name, (s, c) in zip(names, stacked.tolist()) if c > 0}
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the objective's terms and per-position acceptance to the Trainer's own training / evaluation logs."""
+        split = "train" if "loss" in logs else "eval" if "eval_loss" in logs else None
+        if split is not None and self._metric_sums[split]:
+            logs.update(self._flush_metrics(split))
+        super().log(logs, start_time)
+
+    # --- checkpoints -------------------------------------------------------------------------------------------------
+
+    def export_model(self) -> XPressModel:
+        """The trained model as a plain `XPressModel`: with LoRA, a merged copy (training continues on the adapter)."""
+        if not self.is_lora:
+            return self.xpress
+        return copy.deepcopy(self.xpress).merge_and_unload()
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Write a loadable xPress Hub folder (config, weights, code, card; LoRA merged; never the target). A LoRA run
+        also keeps its unmerged adapter in `lora_adapter/`, which `resume_from_checkpoint` needs."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        logger.info(f"Saving xPress checkpoint to {output_dir}")
+        self.export_model().save_pretrained(output_dir)
+        if self.is_lora:
+            adapter_dir = os.path.join(output_dir, LORA_CHECKPOINT_DIR)
+            self.xpress.save_pretrained(adapter_dir)
+            with open(os.path.join(adapter_dir, _BASE_FINGERPRINT_FILE), "w") as f:
+                json.dump({"sha256": self._base_fingerprint}, f)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Restore the trained weights from a checkpoint `_save` wrote (the Trainer restores optimizer, scheduler,
+        RNG and step itself)."""
+        if self.is_lora:
+            from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+            adapter_dir = os.path.join(resume_from_checkpoint, LORA_CHECKPOINT_DIR)
+            if not os.path.isdir(adapter_dir):
+                raise ValueError(
+                    f"{resume_from_checkpoint} has no {LORA_CHECKPOINT_DIR}/: it was not written by a train_mode='lora' "
+                    "run, so there is no adapter to resume. Start a new run with --init_from pointing at it instead."
+                )
+            with open(os.path.join(adapter_dir, _BASE_FINGERPRINT_FILE)) as f:
+                saved = json.load(f)["sha256"]
+            if saved != self._base_fingerprint:
+                raise ValueError(
+                    f"The LoRA adapter in {adapter_dir} was trained on a different base drafter than the one this "
+                    "trainer was built with. Resume with the same initial model (e.g. the same --init_from), not with "
+                    "the merged checkpoint."
+                )
+            set_peft_model_state_dict(self.xpress, load_peft_weights(adapter_dir, device="cpu"))
+            return
+        saved = XPressModel.from_pretrained(resume_from_checkpoint)
+        self.xpress.load_state_dict(saved.state_dict())
+
+    def _load_best_model(self) -> None:
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
+
+
+__all__ = [
+    "XPressTrainingArguments",
+    "XPressDataCollator",
+    "XPressObjective",
+    "XPressObjectiveOutput",
+    "XPressTrainer",
+    "DistributionLoss",
+    "TargetSignals",
+    "anchor_weight",
+    "block_attention_mask",
+    "block_position_ids",
+    "distribution_loss",
+    "draft_blocks",
+    "position_weights",
+    "previous_tokens",
+    "prepare_for_training",
+    "target_signals",
+]

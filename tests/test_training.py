@@ -1,0 +1,402 @@
+"""Training (paper §4.3, SPEC §4): collator, block layout, the objective against a block-by-block reference, learning,
+LoRA export, and resume."""
+
+import copy
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModel, TrainerCallback
+from transformers.utils import logging as hf_logging
+
+from modeling_xpress import XPressModel
+from modeling_xpress.training import (
+    LORA_CHECKPOINT_DIR,
+    XPressDataCollator,
+    XPressObjective,
+    XPressTrainer,
+    XPressTrainingArguments,
+    anchor_weight,
+    block_attention_mask,
+    draft_blocks,
+    position_weights,
+)
+from tests.builders import branching_chain, markov_responses, markov_target, tiny_llama, tiny_xpress
+
+hf_logging.set_verbosity_error()
+
+BLOCK = 8
+N = BLOCK - 1
+
+
+def random_rows(lengths, prompt: int = 5, vocab: int = 96, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"input_ids": torch.randint(0, vocab, (n,), generator=g).tolist(), "loss_mask": [0] * prompt + [1] * (n - prompt)}
+        for n in lengths
+    ]
+
+
+def training_args(tmp_path, **overrides) -> XPressTrainingArguments:
+    fields = dict(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, anchors_per_sequence=4,
+        report_to=[], disable_tqdm=True, save_strategy="no", logging_steps=2, seed=0,
+    )  # fmt: skip
+    return XPressTrainingArguments(**(fields | overrides))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Arguments, collator, layout
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("train_mode", "adapters"),
+        ("anchors_per_sequence", 0),
+        ("loss_gamma", -1.0),
+        ("consistency_weight", -0.1),
+        ("anchor_weight_floor", 0.9),
+        ("lora_r", 0),
+        ("remove_unused_columns", True),
+    ],
+)
+def test_arguments_reject_bad_values_by_name(tmp_path, field, value):
+    with pytest.raises(ValueError, match=field):
+        XPressTrainingArguments(output_dir=str(tmp_path), report_to=[], **{field: value})
+
+
+def test_argument_defaults_follow_the_paper(tmp_path):
+    args = XPressTrainingArguments(output_dir=str(tmp_path), report_to=[])
+    assert (args.learning_rate, args.consistency_weight, args.anchor_weight_start, args.anchor_weight_floor) == (
+        6e-4, 0.3, 0.6, 0.2,
+    )  # fmt: skip
+    assert args.resolved_gamma(16) == 7.0 and not args.remove_unused_columns
+    assert anchor_weight(0, 100, 0.6, 0.2) == 0.6 and anchor_weight(100, 100, 0.6, 0.2) == pytest.approx(0.2)
+    assert anchor_weight(50, 100, 0.6, 0.2) == pytest.approx(0.4)
+    torch.testing.assert_close(position_weights(3, 7.0), torch.tensor([1.0, math.exp(-1 / 7), math.exp(-2 / 7)]))
+
+
+def test_collator_samples_anchors_inside_responses_and_labels_block_tokens():
+    rows = random_rows([30, 12, 40, 6])
+    # Row 1: a response that stops before the end (a later non-response turn), row 3: no eligible anchor.
+    rows[1]["loss_mask"] = [0] * 5 + [1] * 4 + [0] * 3
+    rows[3]["loss_mask"] = [0] * 5 + [1]
+    collate = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=6, seed=3)
+    batch = collate(rows)
+    assert batch["input_ids"].shape == (4, 40) and batch["labels"].shape == (4, 6, N)
+    for i, row in enumerate(rows):
+        ids, mask = row["input_ids"], row["loss_mask"]
+        eligible = {t for t in range(len(ids) - 1) if mask[t] and mask[t + 1]}
+        chosen = batch["anchors"][i][batch["anchor_mask"][i]].tolist()
+        assert set(chosen) <= eligible and len(chosen) == min(6, len(eligible)) == len(set(chosen))
+        for j, t in enumerate(chosen):
+            for k in range(1, BLOCK):
+                in_response = t + k < len(ids) and all(mask[t + 1 : t + k + 1])
+                expected = ids[t + k] if in_response else -100
+                assert batch["labels"][i, j, k - 1] == expected, (i, t, k)
+        assert (batch["labels"][i][~batch["anchor_mask"][i]] == -100).all()
+    assert not batch["anchor_mask"][3].any()
+    assert batch["attention_mask"].sum(1).tolist() == [30, 12, 40, 6]
+    # Reproducible from the seed, different for another seed.
+    again = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=6, seed=3)(rows)
+    other = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=6, seed=4)(rows)
+    assert torch.equal(again["anchors"], batch["anchors"]) and not torch.equal(other["anchors"], batch["anchors"])
+
+
+def test_block_attention_mask_layout():
+    mask = block_attention_mask(torch.tensor([[2, 5]]), context_len=6, block_size=3)[0, 0]  # (6, 6 + 6)
+    context, blocks = mask[:, :6], mask[:, 6:]
+    assert context[:3].tolist() == [[True, True, False, False, False, False]] * 3  # strictly before anchor 2
+    assert context[3:].tolist() == [[True] * 5 + [False]] * 3  # strictly before anchor 5
+    expected = torch.block_diag(torch.ones(3, 3), torch.ones(3, 3)).bool()
+    assert torch.equal(blocks, expected)  # bidirectional inside a block, never across blocks
+
+
+def test_blocks_see_neither_their_anchor_features_nor_later_context_nor_other_blocks():
+    target = tiny_llama()
+    model = tiny_xpress(target, block_size=BLOCK)
+    g = torch.Generator().manual_seed(0)
+    context = torch.randn(1, 24, model.fc.in_features, generator=g)
+    anchors, anchor_ids = torch.tensor([[6, 15]]), torch.tensor([[11, 42]])
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        hidden = draft_blocks(model, embed, context, anchors, anchor_ids)
+        later = context.clone()
+        later[:, 6:] += torch.randn(later[:, 6:].shape, generator=g)  # at and after block 0's anchor
+        moved = draft_blocks(model, embed, later, anchors, anchor_ids)
+        other = draft_blocks(model, embed, context, anchors, torch.tensor([[11, 7]]))  # block 1's anchor token
+        earlier = context.clone()
+        earlier[:, 5] += 1.0  # just before block 0's anchor: must be seen (the checks above are not vacuous)
+        seen = draft_blocks(model, embed, earlier, anchors, anchor_ids)
+    torch.testing.assert_close(moved[:, 0], hidden[:, 0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(other[:, 0], hidden[:, 0], rtol=0, atol=1e-6)
+    assert not torch.allclose(other[:, 1], hidden[:, 1], atol=1e-3)
+    assert not torch.allclose(moved[:, 1], hidden[:, 1], atol=1e-3)
+    assert not torch.allclose(seen[:, 0], hidden[:, 0], atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The objective against a naive block-by-block reference
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def reference_losses(model, target, batch, gamma, ce_weight, l1_weight) -> dict[str, float]:
+    """Each block run alone: its sequence through the target, the drafter on that block with only the context before
+    its anchor (no attention mask needed), then eq. (14) position by position."""
+    config = model.config
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    terms = {"base": [], "refined": [], "consistency": []}  # (w_k, ce, l1) per labelled position
+    for i in range(batch["input_ids"].shape[0]):
+        length = int(batch["attention_mask"][i].sum())
+        ids = batch["input_ids"][i : i + 1, :length]
+        out = target(input_ids=ids, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[j + 1] for j in config.target_layer_ids], dim=-1)
+        p_target = out.logits[0].softmax(dim=-1)  # (length, V): distribution of the token after each position
+        for j in torch.nonzero(batch["anchor_mask"][i]).flatten().tolist():
+            t = int(batch["anchors"][i, j])
+            hidden = model(
+                noise_embeds=model.embed_blocks(ids[:, t : t + 1], embed),
+                context_hidden_states=features[:, :t],
+                position_ids=torch.arange(t + BLOCK).unsqueeze(0),
+            ).last_hidden_state[:, 1:]
+            base = lm_head(hidden)[0]  # (n, V)
+            logits = {"base": base}
+            if model.refiner is not None:
+                gold = ids[0, t : t + N].clone()  # [anchor, x*_1..x*_{n-1}] (beyond the sequence: unused filler)
+                drafted = torch.cat([ids[0, t : t + 1], base.argmax(-1)[:-1]])
+                gold = torch.cat([gold, torch.zeros(N - len(gold), dtype=torch.long)])
+                for name, previous in (("refined", gold), ("consistency", drafted)):
+                    if config.refiner == "markov":
+                        delta = model.refiner(previous[None])
+                    else:
+                        delta = model.refiner(hidden, previous[None])
+                    logits[name] = base + delta[0]
+            for k in range(1, BLOCK):
+                label = int(batch["labels"][i, j, k - 1])
+                if label == -100:
+                    continue
+                for name, values in logits.items():
+                    log_p = values[k - 1].log_softmax(-1)
+                    ce = -log_p[label].item()
+                    p = log_p.exp()
+                    l1 = (p - p_target[t + k - 1]).abs().sum().item()
+                    terms[name].append((math.exp(-(k - 1) / gamma), ce, l1))
+    return {
+        name: sum(w * (ce_weight * ce + l1_weight * l1) for w, ce, l1 in rows) / sum(w for w, _, _ in rows)
+        for name, rows in terms.items()
+        if rows
+    }
+
+
+@pytest.mark.parametrize("refiner", ["xpress", "markov", "none"])
+def test_batched_loss_equals_block_by_block_reference(refiner):
+    torch.manual_seed(0)
+    target = tiny_llama()
+    model = tiny_xpress(target, refiner=refiner, block_size=BLOCK)
+    rows = random_rows([30, 14, 40, 6], seed=1)
+    batch = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=5, seed=0)(rows)
+    assert batch["anchor_mask"].sum() >= 10 and not batch["anchor_mask"].all()  # padding slots are exercised
+    gamma, ce_weight, l1_weight, consistency, lam = 3.0, 0.7, 1.3, 0.3, 0.45
+    objective = XPressObjective(
+        model, target, gamma=gamma, ce_weight=ce_weight, l1_weight=l1_weight, consistency_weight=consistency
+    )
+    with torch.no_grad():
+        out = objective(**batch, anchor_weight=lam)
+        expected = reference_losses(model, target, batch, gamma, ce_weight, l1_weight)
+    got = {name.removeprefix("loss_"): value[0].item() for name, value in out.metrics.items() if name.startswith("loss_")}
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert got[name] == pytest.approx(expected[name], rel=1e-5), name
+    total = (
+        expected["base"]
+        if refiner == "none"
+        else expected["refined"] + lam * expected["base"] + consistency * expected["consistency"]
+    )
+    assert out.loss.item() == pytest.approx(total, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Learning: the refiner's causality is what makes the block right
+# ---------------------------------------------------------------------------------------------------------------------
+
+PROMPTS = ([0], [0, 1, 2, 3], [0, 4, 5, 6], [0, 4], [0, 1], [5, 6])
+
+
+def mean_tau(model, target) -> float:
+    """τ of sampled (T = 1) speculative decoding over fixed prompts with a fixed generator."""
+    g = torch.Generator().manual_seed(0)
+    steps = []
+    for prompt in PROMPTS:
+        out = model.spec_generate(target, torch.tensor([prompt]), max_new_tokens=48, temperature=1.0, generator=g)
+        steps += out.stats.acceptance_lengths
+    return sum(steps) / len(steps)
+
+
+def assert_clearly_beats(tau: float, baseline_tau: float) -> None:
+    assert tau >= 1.3 * baseline_tau, f"τ {tau:.2f} does not clearly beat the drafter-only baseline's {baseline_tau:.2f}"
+
+
+def test_refiner_learns_what_per_position_marginals_cannot(tmp_path):
+    """After 0 the chain flips a coin between two branches whose later tokens are certain given the branch token: a
+    drafter's per-position marginals are coin flips there, a causal head conditioned on the drafted prefix is not.
+    Same data, steps, seed and recipe for the drafter-only baseline and xPress; the gain must vanish with δ = 0."""
+    log_probs = branching_chain()
+    target = markov_target(log_probs)
+    data = markov_responses(log_probs, num_sequences=64, length=40, seed=0)
+    results = {}
+    for refiner in ("none", "xpress"):
+        model = tiny_xpress(target, refiner=refiner, seed=1, randomize_head=False, block_size=BLOCK, jacobi_max_iters=N)
+        args = training_args(
+            tmp_path / refiner, max_steps=100, per_device_train_batch_size=8, anchors_per_sequence=8,
+            learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=100,
+        )  # fmt: skip
+        trainer = XPressTrainer(model=model, target=target, args=args, train_dataset=data)
+        trainer.train()
+        logs = next(entry for entry in trainer.state.log_history if "tau_estimate" in entry)
+        results[refiner] = (model.eval(), logs)
+    baseline, baseline_logs = results["none"]
+    xpress, xpress_logs = results["xpress"]
+    baseline_tau, xpress_tau = mean_tau(baseline, target), mean_tau(xpress, target)
+    print(f"τ at T=1: drafter only {baseline_tau:.2f}, xPress {xpress_tau:.2f}")
+    assert_clearly_beats(xpress_tau, baseline_tau)
+    # The training-time estimate agrees: the refined distribution is much closer to the target's than the drafter's.
+    assert xpress_logs["accept_refined"] > baseline_logs["accept_base"] + 0.1
+
+    with torch.no_grad():
+        xpress.refiner.readout.weight.zero_()  # δ = 0: the co-trained drafter alone
+    without_refiner_tau = mean_tau(xpress, target)
+    print(f"τ at T=1: xPress with δ = 0 {without_refiner_tau:.2f}")
+    with pytest.raises(AssertionError):
+        assert_clearly_beats(without_refiner_tau, baseline_tau)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What is trained, what is saved
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def probe(model, target) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafter hidden states and head correction on a fixed input: what a checkpoint must reproduce."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, target.config.vocab_size, (1, 20), generator=g)
+    anchors = torch.tensor([[7, 13]])
+    out = target(input_ids=ids, output_hidden_states=True)
+    context = torch.cat([out.hidden_states[i + 1] for i in model.config.target_layer_ids], dim=-1)
+    with torch.no_grad():
+        hidden = draft_blocks(model, target.get_input_embeddings(), context, anchors, ids.gather(1, anchors))
+        drafts = hidden[0, :, 1:]  # (2, n, H)
+        delta = model.refiner(drafts, torch.randint(0, target.config.vocab_size, (2, N), generator=g))
+    return hidden, delta
+
+
+def safetensors_keys(folder) -> set[str]:
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def test_refiner_mode_trains_only_the_head_and_never_the_target(tmp_path):
+    target = tiny_llama()
+    model = tiny_xpress(target, block_size=BLOCK)
+    drafter_before = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("refiner.")}
+    head_before = model.refiner.readout.weight.clone()
+    target_before = {k: v.clone() for k, v in target.state_dict().items()}
+    args = training_args(tmp_path, train_mode="refiner", learning_rate=1e-2)
+    trainer = XPressTrainer(model=model, target=target, args=args, train_dataset=random_rows([30, 25, 40, 33] * 2))
+    trainer.train()
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in model.refiner.parameters()}
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in drafter_before.items())
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in target_before.items())
+    assert not torch.equal(head_before, model.refiner.readout.weight)
+    logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    expected = {"loss_refined", "loss_base", "loss_consistency", "anchor_weight", "tau_estimate"}
+    expected |= {f"{kind}_{name}" for kind in ("ce", "l1", "accept") for name in ("refined", "base", "consistency")}
+    expected |= {f"accept_k{k}" for k in range(1, BLOCK)}
+    assert expected <= logged.keys()
+    trainer.save_model(str(tmp_path / "final"))
+    keys = safetensors_keys(tmp_path / "final")
+    assert keys == set(model.state_dict()) and not any("embed_tokens" in k or "lm_head" in k for k in keys)
+
+
+def test_lora_cotraining_saves_a_merged_folder_that_loads_without_peft(tmp_path):
+    target = tiny_llama()
+    model = tiny_xpress(target, block_size=BLOCK, randomize_head=False)
+    hidden_before, delta_before = probe(model, target)
+    args = training_args(tmp_path, train_mode="lora", lora_r=4, learning_rate=2e-2, max_steps=5)
+    trainer = XPressTrainer(model=model, target=target, args=args, train_dataset=random_rows([30, 25, 40, 33] * 2))
+    trainer.train()
+    hidden_after, delta_after = probe(trainer.model.core, target)  # the live model, adapters unmerged
+    assert not torch.allclose(hidden_after, hidden_before, atol=1e-4)  # LoRA moved the drafter itself ...
+    assert not torch.allclose(delta_after, delta_before, atol=1e-4)  # ... and the head trained
+
+    trainer.save_model(str(tmp_path / "final"))
+    keys = safetensors_keys(tmp_path / "final")
+    assert not any("lora_" in k or "modules_to_save" in k or "base_model" in k for k in keys)
+    assert not any("embed_tokens" in k or "lm_head" in k for k in keys)
+    for loaded in (
+        XPressModel.from_pretrained(tmp_path / "final"),
+        AutoModel.from_pretrained(tmp_path / "final", trust_remote_code=True),
+    ):
+        assert not hasattr(loaded, "peft_config")
+        hidden, delta = probe(loaded.eval(), target)
+        torch.testing.assert_close(hidden, hidden_after, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(delta, delta_after, rtol=1e-5, atol=1e-5)
+
+
+class RecordStart(TrainerCallback):
+    """Captures the step, optimizer state and weights the run starts from (after any checkpoint was restored)."""
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.step = state.global_step
+        self.optimizer = copy.deepcopy(optimizer.state_dict())  # its tensors are updated in place as training goes on
+
+
+def assert_same_optimizer_state(actual: dict, expected: dict) -> None:
+    assert actual["state"].keys() == expected["state"].keys() and actual["state"]
+    for key in expected["state"]:
+        for name, value in expected["state"][key].items():
+            torch.testing.assert_close(actual["state"][key][name], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("train_mode", ["full", "lora"])
+def test_resume_continues_with_the_same_step_and_optimizer_state(tmp_path, train_mode):
+    """Sequences short enough that every eligible position is an anchor make the batches independent of the anchor
+    RNG, so an interrupted-and-resumed run must end exactly where the uninterrupted one did."""
+    target = tiny_llama()
+    data = random_rows([12, 11, 12, 10] * 2, prompt=4)
+
+    def run(output_dir, resume=None):
+        model = tiny_xpress(target, block_size=BLOCK, randomize_head=False)
+        args = training_args(
+            output_dir, train_mode=train_mode, lora_r=4, max_steps=4, per_device_train_batch_size=2,
+            anchors_per_sequence=8, save_strategy="steps", save_steps=2, learning_rate=1e-2,
+        )  # fmt: skip
+        start = RecordStart()
+        trainer = XPressTrainer(model=model, target=target, args=args, train_dataset=data, callbacks=[start])
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, start
+
+    straight, _ = run(tmp_path / "straight")
+    checkpoint = tmp_path / "straight" / "checkpoint-2"
+    resumed, start = run(tmp_path / "resumed", resume=str(checkpoint))
+    assert start.step == 2 and resumed.state.global_step == 4
+    assert_same_optimizer_state(start.optimizer, torch.load(checkpoint / "optimizer.pt", weights_only=True))
+    assert_same_optimizer_state(resumed.optimizer.state_dict(), straight.optimizer.state_dict())
+    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+    if train_mode == "lora":
+        assert (checkpoint / LORA_CHECKPOINT_DIR / "adapter_model.safetensors").is_file()
+        with open(checkpoint / "config.json") as f:
+            assert json.load(f)["model_type"] == "xpress"  # the checkpoint is a plain xPress folder too
+        # An adapter only resumes on the base it was trained on.
+        other = tiny_xpress(target, block_size=BLOCK, randomize_head=False, seed=7)
+        args = training_args(tmp_path / "other", train_mode="lora", lora_r=4, max_steps=4, per_device_train_batch_size=2)
+        with pytest.raises(ValueError, match="different base drafter"):
+            XPressTrainer(model=other, target=target, args=args, train_dataset=data).train(
+                resume_from_checkpoint=str(checkpoint)
+            )
