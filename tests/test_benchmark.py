@@ -1,0 +1,238 @@
+"""The evaluation harness measures what it claims: τ on a constructed pair where it is known in advance, the K sweep
+against the adaptive setting, the greedy-identity count, and complete JSON / Markdown / PNG outputs."""
+
+import json
+
+import pytest
+import torch
+
+import modeling_xpress.benchmark as bench
+from modeling_xpress.benchmark import BenchmarkSettings, PromptSet, run_benchmark, summarize, write_results
+from modeling_xpress.cards import render_model_card
+from modeling_xpress.synthetic import constructed_permutation_pair
+from tests.builders import perfect_head, permutation_target, tiny_llama, tiny_tokenizer, tiny_xpress
+
+BLOCK = 8
+STEPS = 4
+MAX_NEW = 1 + STEPS * BLOCK  # the prefill emits one token, then every step commits a whole block
+
+
+@pytest.fixture(autouse=True)
+def few_threads():
+    # The test machine is shared; a tiny model gains nothing from more threads.
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def perfect_methods():
+    """A target and three heads on it: xPress and Markov constructed to know the permutation, and no head."""
+    target, xpress = constructed_permutation_pair(vocab_size=64, block_size=BLOCK)
+    _, perm = permutation_target(64)  # same seed as inside the pair: the same permutation
+    markov = tiny_xpress(target, refiner="markov", refiner_rank=64, randomize_head=False, block_size=BLOCK,
+                         num_hidden_layers=1, intermediate_size=64)  # fmt: skip
+    perfect_head(markov, perm)
+    dflash = tiny_xpress(target, refiner="none", block_size=BLOCK, num_hidden_layers=1, intermediate_size=64)
+    return target, {"dflash": dflash, "markov": markov, "xpress": xpress}
+
+
+@pytest.fixture(scope="module")
+def perfect_run():
+    torch.set_num_threads(1)
+    target, methods = perfect_methods()
+    sets = {"a": [[5, 9], [1, 2, 3]], "b": [[7]]}
+    settings = BenchmarkSettings(max_new_tokens=MAX_NEW, temperatures=(0.0,), k_values=(1, 7, 8),
+                                 latency_blocks=2, latency_repeats=2)  # fmt: skip
+    return run_benchmark(target, methods, sets, settings, progress=False)
+
+
+def rows(summary, table, **match):
+    return [r for r in summary[table] if all(r[k] == v for k, v in match.items())]
+
+
+def test_tau_equals_known_block_size_on_perfect_pair(perfect_run):
+    summary = perfect_run["summary"]
+    for method in ("xpress", "markov"):
+        for dataset in ("a", "b", bench.ALL):
+            (row,) = rows(summary, "tau", method=method, dataset=dataset, temperature=0.0)
+            assert row["tau"] == BLOCK  # exactly: every verification commits a whole block
+            assert row["verifications"] == STEPS * (2 if dataset == "a" else 1 if dataset == "b" else 3)
+        for entry in bench.ENTRIES:  # both entry points see the same τ
+            (row,) = rows(summary, "throughput", method=method, entry=entry, dataset=bench.ALL, temperature=0.0)
+            assert row["tau"] == BLOCK
+    (none,) = rows(summary, "tau", method="dflash", dataset=bench.ALL, temperature=0.0)
+    assert none["tau"] < 2  # a random drafter without a head: the measurement is not stuck at the block size
+
+
+def test_k_sweep_reaches_adaptive_tau_once_k_covers_the_block(perfect_run):
+    summary = perfect_run["summary"]
+    (adaptive,) = rows(summary, "sweep", method="xpress", dataset=bench.ALL, setting=bench.ADAPTIVE_SETTING)
+    assert adaptive["tau"] == BLOCK
+    for k in (7, 8):  # K ≥ n = block_size - 1 reaches the sequential decode (Theorem 1)
+        (row,) = rows(summary, "sweep", method="xpress", dataset=bench.ALL, setting=f"K={k}")
+        assert row["tau"] == adaptive["tau"]
+        assert row["mean_jacobi_iterations"] <= k
+    (k1,) = rows(summary, "sweep", method="xpress", dataset=bench.ALL, setting="K=1")
+    assert k1["tau"] < BLOCK and k1["mean_jacobi_iterations"] == 1  # one pass fixes only the first position(s)
+    assert {r["method"] for r in summary["sweep"]} == {"xpress"}  # only xPress heads are swept
+
+
+def test_config_is_restored_after_the_sweep():
+    _, methods = perfect_methods()
+    before = (methods["xpress"].config.jacobi_max_iters, methods["xpress"].config.jacobi_early_exit)
+    with pytest.raises(RuntimeError):
+        with bench.jacobi_setting(methods["xpress"], 2, False):
+            assert methods["xpress"].config.jacobi_max_iters == 2
+            raise RuntimeError("interrupted")
+    assert (methods["xpress"].config.jacobi_max_iters, methods["xpress"].config.jacobi_early_exit) == before
+
+
+def test_greedy_identity_counts_every_prompt(perfect_run):
+    identity = perfect_run["summary"]["identity"]
+    assert identity and all(r["identical"] == r["prompts"] for r in identity)
+    assert {(r["entry"], r["setting"]) for r in identity if r["method"] == "xpress"} >= {
+        ("generate", "config"), ("spec_generate", "config"), ("spec_generate", "K=1"), ("spec_generate", "adaptive")
+    }  # fmt: skip
+
+
+def test_greedy_identity_count_sees_a_mismatch(monkeypatch):
+    """If the plain reference of one prompt differs, exactly that prompt drops out of every method's count."""
+    target, methods = perfect_methods()
+    original = bench.run_plain
+
+    def corrupted_second_prompt(target, ids, max_new_tokens, temperature, seed):
+        out, seconds = original(target, ids, max_new_tokens, temperature, seed)
+        if ids.shape[1] == 3:  # the second prompt of the set
+            out = out.clone()
+            out[0, -1] = (out[0, -1] + 1) % target.config.vocab_size
+        return out, seconds
+
+    monkeypatch.setattr(bench, "run_plain", corrupted_second_prompt)
+    settings = BenchmarkSettings(max_new_tokens=12, temperatures=(0.0,), k_values=(), adaptive=False,
+                                 latency_blocks=1, latency_repeats=1)  # fmt: skip
+    results = run_benchmark(target, methods, {"a": [[5, 9], [1, 2, 3], [4]]}, settings, progress=False)
+    counts = {(r["method"], r["entry"]): (r["identical"], r["prompts"])
+              for r in results["summary"]["identity"] if r["dataset"] == "a"}  # fmt: skip
+    assert counts == {(m, e): (2, 3) for m in methods for e in bench.ENTRIES}
+
+
+def test_latency_covers_every_k_and_the_serial_markov_decode(perfect_run):
+    latency = perfect_run["summary"]["latency"]
+    assert [r["setting"] for r in latency if r["method"] == "xpress"] == ["K=1", "K=7", "K=8", "adaptive"]
+    assert [r["setting"] for r in latency if r["method"] == "markov"] == ["serial"]
+    assert [r["setting"] for r in latency if r["method"] == "dflash"] == ["argmax"]
+    assert all(r["median_us"] > 0 and r["blocks"] == 2 and r["samples"] == 2 * 2 for r in latency)  # blocks × repeats
+
+
+@pytest.fixture(scope="module")
+def random_run(tmp_path_factory):
+    """Random tiny models through chat-templated text prompts, two temperatures, written to disk."""
+    torch.set_num_threads(1)
+    target = tiny_llama()
+    tokenizer = tiny_tokenizer(target.config.vocab_size)
+    tokenizer.chat_template = "{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}t4"
+    methods = {refiner: tiny_xpress(target, refiner=refiner) for refiner in ("none", "markov", "xpress")}
+    sets = {
+        "code": PromptSet(bench.chat_prompt_ids(tokenizer, ["t5 t6 t7", "t9 t10"]), ["c0", "c1"]),
+        "chat": PromptSet(bench.chat_prompt_ids(tokenizer, ["t11 t12 t13 t14", "t15", "t16 t17"]), ["m0", "m1", "m2"]),
+    }
+    settings = BenchmarkSettings(max_new_tokens=10, temperatures=(0.0, 1.0), k_values=(1, 2), limit=2,
+                                 latency_blocks=2, latency_repeats=2)  # fmt: skip
+    results = run_benchmark(target, methods, sets, settings, metadata={"note": "test"}, progress=False)
+    out = tmp_path_factory.mktemp("results")
+    return results, write_results(results, out, "tiny-run"), methods
+
+
+def test_outputs_are_written_with_expected_content(random_run):
+    results, paths, methods = random_run
+    assert set(paths) == {"json", "markdown", "tau_vs_k", "draft_breakdown", "refiner_latency"}
+    for key in ("tau_vs_k", "draft_breakdown", "refiner_latency"):
+        assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads(paths["json"].read_text())
+    for key in ("settings", "environment", "methods", "datasets", "records", "latency", "summary", "wall_time_s",
+                "started_utc", "metadata", "run_name"):  # fmt: skip
+        assert key in saved
+    assert saved["settings"]["limit"] == 2 and saved["datasets"]["chat"]["prompt_ids"] == ["m0", "m1"]
+    assert saved["environment"]["target_dtype"] == "float32" and saved["environment"]["torch"] == torch.__version__
+    assert saved["metadata"] == {"note": "test"}
+    # Per prompt and temperature: plain, 2 entries × 3 methods, and the xPress sweep (K=1, K=2, adaptive).
+    assert len(saved["records"]) == 2 * 2 * 2 * (1 + 2 * 3 + 3)
+    assert all(r["seconds"] > 0 and 1 <= r["new_tokens"] <= 10 for r in saved["records"])
+    assert summarize(saved) == saved["summary"]  # every table is a function of the raw records
+    markdown = paths["markdown"].read_text()
+    for heading in ("Mean acceptance length", "Jacobi sweep", "speed ratio", "Greedy identity", "Draft step",
+                    "Refinement latency", "tiny-run-tau_vs_k.png"):  # fmt: skip
+        assert heading in markdown
+
+
+def test_speed_rows_and_breakdown_are_complete(random_run):
+    results, _, methods = random_run
+    summary = results["summary"]
+    for method in methods:
+        for entry in bench.ENTRIES:
+            for temperature in (0.0, 1.0):
+                (row,) = rows(summary, "throughput", method=method, entry=entry, dataset=bench.ALL,
+                              temperature=temperature)  # fmt: skip
+                assert row["speedup"] > 0 and row["prompts"] == 4
+    parts = rows(summary, "breakdown", method="xpress", temperature=1.0)[0]
+    assert parts["drafter_ms_per_block"] > 0 and parts["lm_head_ms_per_block"] > 0 and parts["refiner_ms_per_block"] > 0
+    identity = rows(summary, "identity", dataset=bench.ALL, setting="config")
+    assert len(identity) == 6 and all(r["identical"] == r["prompts"] == 4 for r in identity)  # fp32: exact
+
+
+def test_card_rows_render_into_the_model_card(random_run):
+    results, _, methods = random_run
+    card_rows = bench.card_rows(results["summary"])
+    assert {"method", "dataset", "temperature", "tau", "speedup_spec_generate", "speedup_generate"} <= set(card_rows[0])
+    card = render_model_card(methods["xpress"].config, results=[r for r in card_rows if r["method"] == "xpress"])
+    assert "speedup_generate" in str(card)
+
+
+def test_load_methods_round_trip(tmp_path):
+    target = tiny_llama()
+    model = tiny_xpress(target)
+    model.save_pretrained(tmp_path / "xp")
+    name, path = bench.parse_method_spec(f"xp={tmp_path / 'xp'}")
+    loaded = bench.load_methods({name: path}, dtype=torch.bfloat16)["xp"]
+    assert loaded.dtype == torch.bfloat16 and not loaded.training
+    assert loaded.config.refiner == model.config.refiner
+    with pytest.raises(ValueError, match="not a saved xPress folder"):
+        bench.load_methods({"missing": tmp_path / "nowhere"})
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+        (dict(temperatures=(0.0, -1.0)), r"temperatures must be >= 0, got \[0.0, -1.0\]"),
+        (dict(temperatures=()), "temperatures is empty"),
+        (dict(k_values=(0, 1)), r"k_values must be >= 1.*\[0, 1\]"),
+        (dict(k_values=(2, 2)), "duplicates"),
+        (dict(limit=0), "limit must be >= 1"),
+        (dict(latency_repeats=0), "latency_repeats must be >= 1"),
+    ],
+)
+def test_settings_name_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BenchmarkSettings(**kwargs)
+
+
+def test_input_errors_name_the_problem():
+    with pytest.raises(ValueError, match="name=path.*'xpress'"):
+        bench.parse_method_spec("xpress")
+    with pytest.raises(ValueError, match="dtype must be one of.*'float16'"):
+        bench.parse_dtype("float16")
+    with pytest.raises(ValueError, match="no chat_template"):
+        bench.chat_prompt_ids(tiny_tokenizer(8), ["t1"])
+    with pytest.raises(ValueError, match="2 prompts but 1 ids"):
+        PromptSet([[1], [2]], ["x"])
+    with pytest.raises(ValueError, match="run_name must be a plain file stem"):
+        write_results({}, "/tmp", "../escape")
+    target, methods = perfect_methods()
+    with pytest.raises(ValueError, match="'plain' names the target-alone baseline"):
+        run_benchmark(target, {"plain": methods["xpress"]}, {"a": [[1]]}, progress=False)
+    with pytest.raises(ValueError, match=r"prompt sets \['a'\] are empty"):
+        run_benchmark(target, methods, {"a": []}, progress=False)
+    with pytest.raises(ValueError, match="different target"):
+        run_benchmark(tiny_llama(), methods, {"a": [[1]]}, progress=False)
