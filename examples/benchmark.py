@@ -1,0 +1,92 @@
+"""Evaluate xPress checkpoints on SmolLM2-135M-Instruct: τ, the Jacobi K sweep, refiner latency and speed vs plain
+decoding, on HumanEval and MT-Bench first turns, all measured in one run (see benchmarks/README.md).
+
+    python examples/benchmark.py --methods dflash=ckpt/dflash markov=ckpt/markov xpress=ckpt/xpress \\
+        --limit 20 --dtype bfloat16 --threads 2
+
+Writes benchmarks/results/<run-name>.json (raw), .md (tables) and -*.png (plots).
+"""
+
+import argparse
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from modeling_xpress.assets import load_smollm2
+from modeling_xpress.benchmark import (
+    BenchmarkSettings,
+    DTYPES,
+    evaluation_prompt_sets,
+    load_methods,
+    parse_dtype,
+    parse_method_spec,
+    run_benchmark,
+    write_results,
+)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", required=True, metavar="NAME=PATH",
+                        help="saved xPress folders to compare, e.g. dflash=... markov=... xpress=...")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="load with AutoModel and the code inside each folder instead of the installed package")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="first N prompts of each dataset (default: all 164 + 80; hours on a CPU)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="bfloat16 is the speed setting; float32 for exactness")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--k-values", type=int, nargs="*", default=list(range(1, 9)),
+                        help="fixed Jacobi iteration counts of the sweep (none: no sweep)")
+    parser.add_argument("--no-adaptive", action="store_true", help="skip the adaptive (early-exit) sweep point")
+    parser.add_argument("--latency-blocks", type=int, default=8)
+    parser.add_argument("--latency-repeats", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--run-name", default=None, help="file stem of the outputs (default: date, dtype, limit)")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = parse_dtype(args.dtype)
+    settings = BenchmarkSettings(
+        max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures), k_values=tuple(args.k_values),
+        adaptive=not args.no_adaptive, limit=args.limit, seed=args.seed, latency_blocks=args.latency_blocks,
+        latency_repeats=args.latency_repeats,
+    )  # fmt: skip
+    paths = dict(parse_method_spec(spec) for spec in args.methods)
+    run_name = args.run_name or (
+        f"{datetime.now(timezone.utc):%Y%m%d-%H%M}-{args.dtype}-limit{args.limit if args.limit else 'all'}"
+    )
+
+    start = time.perf_counter()
+    target, tokenizer = load_smollm2(dtype=dtype)
+    methods = load_methods(paths, dtype=dtype, device=target.device, trust_remote_code=args.trust_remote_code)
+    prompt_sets = evaluation_prompt_sets(tokenizer, limit=args.limit)
+    load_seconds = time.perf_counter() - start
+    counts = ", ".join(f"{name} {len(s.ids)}" for name, s in prompt_sets.items())
+    print(f"limit: {args.limit if args.limit else 'none (full sets)'} -> prompts {counts}; dtype {args.dtype}; "
+          f"threads {torch.get_num_threads()}; max_new_tokens {args.max_new_tokens}; "
+          f"methods {list(paths)}")  # fmt: skip
+
+    results = run_benchmark(
+        target, methods, prompt_sets, settings, progress=not args.no_progress,
+        metadata={"checkpoints": paths, "command": sys.argv, "load_seconds": load_seconds},
+    )  # fmt: skip
+    written = write_results(results, args.out_dir, run_name)
+    print(written["markdown"].read_text())
+    print(f"wall time {results['wall_time_s']:.0f} s (+ {load_seconds:.0f} s loading)")
+    for kind, path in written.items():
+        print(f"{kind}: {path}")
+
+
+if __name__ == "__main__":
+    main()
