@@ -143,7 +143,10 @@ def build_drafter(args: ScriptArguments, target) -> XPressModel:
                 "start from the dFlash drafter (or a fresh one) to train another head"
             )
         return XPressModel.from_pretrained(folder)
-    return XPressModel.from_dflash(folder, **head)
+    # A dFlash config may lack the target facts; they are the target's by definition.
+    text = target.config.get_text_config(decoder=True)
+    facts = {key: getattr(text, key, None) for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    return XPressModel.from_dflash(folder, num_target_layers=text.num_hidden_layers, **facts, **head)
 
 
 def main() -> None:

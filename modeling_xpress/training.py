@@ -99,9 +99,10 @@ class XPressTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         self.validate_xpress()
-        # `accelerate launch` / `torchrun` with several processes on a machine without accelerators would otherwise
-        # leave every process training alone (transformers only joins CPU processes when `use_cpu` is set).
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
+        # On a machine without accelerators the CPU is the only device; transformers still wants `use_cpu` set before
+        # it enables CPU bf16 autocast or joins the processes of `accelerate launch` / `torchrun` (over gloo) instead
+        # of leaving each one to train alone.
+        if not torch.accelerator.is_available():
             self.use_cpu = True
         super().__post_init__()
 

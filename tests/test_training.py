@@ -5,7 +5,10 @@ import copy
 import json
 import math
 import os
+import sys
+from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from safetensors import safe_open
@@ -24,10 +27,11 @@ from modeling_xpress.training import (
     draft_blocks,
     position_weights,
 )
-from tests.builders import branching_chain, markov_responses, markov_target, tiny_llama, tiny_xpress
+from tests.builders import branching_chain, markov_responses, markov_target, tiny_llama, tiny_qwen3, tiny_xpress
 
 hf_logging.set_verbosity_error()
 
+ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 8
 N = BLOCK - 1
 
@@ -400,3 +404,40 @@ def test_resume_continues_with_the_same_step_and_optimizer_state(tmp_path, train
             XPressTrainer(model=other, target=target, args=args, train_dataset=data).train(
                 resume_from_checkpoint=str(checkpoint)
             )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The example script, in-process
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def run_example(monkeypatch, *argv: str) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_refiner", ROOT / "examples" / "train_refiner.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", ["train_refiner.py", *argv, "--report_to", "none", "--disable_tqdm", "true"])
+    script.main()
+
+
+def test_example_script_converts_a_dflash_checkpoint_then_continues_from_its_own_output(tmp_path, monkeypatch):
+    from tests.test_conversion import dflash_config, dflash_weights, write_checkpoint
+
+    tiny_qwen3().save_pretrained(tmp_path / "target")
+    write_checkpoint(tmp_path / "dflash", dflash_weights(), dflash_config(96))
+    datasets.Dataset.from_list(random_rows([30, 25, 40, 33])).to_parquet(str(tmp_path / "data.parquet"))
+    common = ["--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.parquet"), "--refiner_rank", "8"]
+
+    run_example(monkeypatch, *common, "--init_from", str(tmp_path / "dflash"), "--output_dir", str(tmp_path / "a"),
+                "--train_mode", "lora", "--lora_r", "4", "--max_steps", "2", "--per_device_train_batch_size", "2")  # fmt: skip
+    converted = XPressModel.from_pretrained(tmp_path / "a")
+    assert (converted.config.block_size, converted.config.mask_token_id, converted.config.refiner) == (6, 7, "xpress")
+    assert converted.refiner.readout.weight.abs().sum() > 0  # the fresh head was trained
+
+    run_example(monkeypatch, *common, "--init_from", str(tmp_path / "a"), "--output_dir", str(tmp_path / "b"),
+                "--train_mode", "refiner", "--max_steps", "1")  # fmt: skip
+    assert XPressModel.from_pretrained(tmp_path / "b").config.block_size == 6
+    with pytest.raises(ValueError, match="--refiner markov"):
+        run_example(monkeypatch, *common, "--init_from", str(tmp_path / "a"), "--output_dir", str(tmp_path / "c"),
+                    "--refiner", "markov")  # fmt: skip
