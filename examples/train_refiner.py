@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, LlamaForCausalLM, set_seed
 
 from modeling_xpress import XPressConfig, XPressModel
-from modeling_xpress.training import XPressTrainer, XPressTrainingArguments
+from modeling_xpress.training import XPressTrainer, XPressTrainingArguments, with_fresh_head
 
 TINY_RANDOM = "tiny-random"
 
@@ -54,7 +54,8 @@ class ScriptArguments:
     # Head and drafter shape (a fresh drafter uses all of them; a dFlash checkpoint only the head ones).
     refiner: str | None = field(
         default=None,
-        metadata={"help": "xpress, markov or none; default: xpress (kept from the folder when --init_from is xPress)."},
+        metadata={"help": "xpress, markov or none; default: xpress, or the --init_from xPress folder's own (another value "
+                  "keeps that folder's drafter and starts a fresh head)."},
     )
     refiner_rank: int = field(default=256, metadata={"help": "Low rank r of the refiner / Markov head."})
     block_size: int = field(default=16, metadata={"help": "Fresh drafter: tokens per block, anchor included."})
@@ -137,12 +138,11 @@ def build_drafter(args: ScriptArguments, target) -> XPressModel:
     folder = Path(args.init_from)
     config = json.loads((folder / "config.json").read_text())
     if config.get("model_type") == "xpress":
-        if args.refiner is not None and args.refiner != config.get("refiner"):
-            raise ValueError(
-                f"--refiner {args.refiner} differs from the checkpoint's refiner={config.get('refiner')!r}; "
-                "start from the dFlash drafter (or a fresh one) to train another head"
-            )
-        return XPressModel.from_pretrained(folder)
+        model = XPressModel.from_pretrained(folder)
+        if args.refiner is not None and args.refiner != model.config.refiner:
+            # e.g. a drafter trained alone (refiner="none") getting its head: keep the drafter, start the head fresh
+            return with_fresh_head(model, args.refiner, args.refiner_rank)
+        return model
     # A dFlash config may lack the target facts; they are the target's by definition.
     text = target.config.get_text_config(decoder=True)
     facts = {key: getattr(text, key, None) for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}

@@ -513,6 +513,26 @@ def prepare_for_training(xpress: XPressModel, args: XPressTrainingArguments) -> 
     return get_peft_model(xpress, lora)
 
 
+def with_fresh_head(model: XPressModel, refiner: str, refiner_rank: int | None = None) -> XPressModel:
+    """A new `XPressModel` with `model`'s drafter weights and a fresh `refiner` head (δ = 0 until trained).
+
+    The second stage of training from scratch: a drafter trained alone (`refiner="none"`) gets an xPress or Markov
+    head; or a head is swapped for another on the same drafter.
+    """
+    config = copy.deepcopy(model.config)
+    config.refiner = refiner
+    if refiner_rank is not None:
+        config.refiner_rank = refiner_rank
+    config.validate_xpress()
+    fresh = XPressModel(config).to(model.device, model.dtype)
+    drafter = {name: tensor for name, tensor in model.state_dict().items() if not name.startswith("refiner.")}
+    missing, unexpected = fresh.load_state_dict(drafter, strict=False)
+    stray = [name for name in missing if not name.startswith("refiner.")] + list(unexpected)
+    if stray:
+        raise ValueError(f"drafter weights do not fit the new model: {stray}")
+    return fresh
+
+
 def _frozen_fingerprint(model: nn.Module) -> str:
     """sha256 of every frozen tensor of the LoRA-wrapped drafter: the base an adapter checkpoint is only valid on."""
     digest = hashlib.sha256()
@@ -707,4 +727,5 @@ __all__ = [
     "previous_tokens",
     "prepare_for_training",
     "target_signals",
+    "with_fresh_head",
 ]

@@ -438,6 +438,9 @@ def test_example_script_converts_a_dflash_checkpoint_then_continues_from_its_own
     run_example(monkeypatch, *common, "--init_from", str(tmp_path / "a"), "--output_dir", str(tmp_path / "b"),
                 "--train_mode", "refiner", "--max_steps", "1")  # fmt: skip
     assert XPressModel.from_pretrained(tmp_path / "b").config.block_size == 6
-    with pytest.raises(ValueError, match="--refiner markov"):
-        run_example(monkeypatch, *common, "--init_from", str(tmp_path / "a"), "--output_dir", str(tmp_path / "c"),
-                    "--refiner", "markov")  # fmt: skip
+    # Another head on the trained drafter: drafter weights carried over, the Markov head starts at δ = 0.
+    run_example(monkeypatch, *common, "--init_from", str(tmp_path / "a"), "--output_dir", str(tmp_path / "c"),
+                "--refiner", "markov", "--train_mode", "refiner", "--max_steps", "1")  # fmt: skip
+    markov = XPressModel.from_pretrained(tmp_path / "c")
+    assert markov.config.refiner == "markov"
+    torch.testing.assert_close(markov.layers[0].mlp.up_proj.weight, converted.layers[0].mlp.up_proj.weight)
