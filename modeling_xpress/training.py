@@ -336,6 +336,65 @@ class DistributionLoss:
         return (1.0 - 0.5 * self.l1.detach()) * self.valid
 
 
+# Rows of a vocabulary-sized tensor processed at once by `cross_entropy_l1`: ~2 MB of fp32 per temporary, so a chunk's
+# passes (exp, difference, sign, ...) run out of cache instead of streaming whole (positions × V) tensors from memory.
+_CHUNK_ELEMENTS = 1 << 19
+
+
+class _CrossEntropyL1(torch.autograd.Function):
+    """Per-row −log p(y) and ‖p − q‖₁ for p = softmax(z), with the gradient written out.
+
+    Autograd through log_softmax → exp → (p − q) → abs keeps about four (positions × V) fp32 tensors alive per
+    distribution and makes some fifteen passes over them; with V = 49152 that, not the matmuls, dominates a CPU step.
+    This keeps only the per-row log-normaliser and recomputes p in backward, chunk by chunk. The gradient:
+    ∂CE/∂z = p − onehot(y) and ∂‖p − q‖₁/∂z_i = p_i (s_i − Σ_j p_j s_j) with s = sign(p − q) (sign(0) = 0, as autograd's
+    abs).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target_probs: torch.Tensor, labels: torch.Tensor):
+        rows, vocab = logits.shape
+        compute = torch.promote_types(logits.dtype, torch.float32)  # at least fp32: the softmax needs the range
+        chunk = max(1, _CHUNK_ELEMENTS // vocab)
+        ce = torch.empty(rows, dtype=compute, device=logits.device)
+        l1, log_norm = torch.empty_like(ce), torch.empty_like(ce)
+        for start in range(0, rows, chunk):
+            part = slice(start, start + chunk)
+            z = logits[part].to(compute, copy=True)  # a private copy: everything below is in place
+            lse = torch.logsumexp(z, dim=-1)
+            ce[part] = lse - z.gather(-1, labels[part, None]).squeeze(-1)
+            p = z.sub_(lse[:, None]).exp_()
+            l1[part] = p.sub_(target_probs[part]).abs_().sum(dim=-1)
+            log_norm[part] = lse
+        ctx.save_for_backward(logits, target_probs, labels, log_norm)
+        return ce, l1
+
+    @staticmethod
+    def backward(ctx, grad_ce: torch.Tensor, grad_l1: torch.Tensor):
+        logits, target_probs, labels, log_norm = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        chunk = max(1, _CHUNK_ELEMENTS // logits.shape[1])
+        for start in range(0, logits.shape[0], chunk):
+            part = slice(start, start + chunk)
+            a, c = grad_l1[part, None], grad_ce[part, None]
+            p = logits[part].to(log_norm.dtype, copy=True).sub_(log_norm[part, None]).exp_()
+            g = torch.sub(p, target_probs[part]).sign_()  # s
+            shift = c - a * torch.linalg.vecdot(p, g).unsqueeze(-1)  # c − a·Σ_j p_j s_j, before g is overwritten
+            g.mul_(a).add_(shift).mul_(p)  # p ⊙ (a·s + c − a·Σ_j p_j s_j), in the buffer of s
+            g.scatter_add_(-1, labels[part, None], -c)
+            grad[part] = g
+        return grad, None, None
+
+
+def cross_entropy_l1(logits: torch.Tensor, target_probs: torch.Tensor, labels: torch.Tensor):
+    """(..., V) logits, (..., V) target distribution, (...) labels in [0, V) → per-position (CE, ‖p − q‖₁), each (...)."""
+    shape = labels.shape
+    ce, l1 = _CrossEntropyL1.apply(
+        logits.reshape(-1, logits.shape[-1]), target_probs.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    )
+    return ce.view(shape), l1.view(shape)
+
+
 def distribution_loss(
     logits: torch.Tensor,
     target_probs: torch.Tensor,
@@ -347,9 +406,8 @@ def distribution_loss(
     """Paper eq. (14) for one distribution p = softmax(logits): logits/target_probs (N, n, V), labels (N, n) with -100
     on ignored positions, weights (n,) position weights. Normalised by the weight of the valid positions."""
     valid = labels != IGNORE_INDEX
-    log_p = logits.float().log_softmax(dim=-1)  # fp32: the softmax over a large vocabulary needs the range
-    ce = -log_p.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * valid
-    l1 = (log_p.exp() - target_probs).abs().sum(dim=-1) * valid
+    ce, l1 = cross_entropy_l1(logits, target_probs, labels.clamp(min=0))
+    ce, l1 = ce * valid, l1 * valid
     w = weights.view(1, -1) * valid
     # clamp: a batch without a single valid position yields 0 (still connected to the graph, so DDP sees every
     # parameter) instead of 0/0.
@@ -721,6 +779,7 @@ __all__ = [
     "anchor_weight",
     "block_attention_mask",
     "block_position_ids",
+    "cross_entropy_l1",
     "distribution_loss",
     "draft_blocks",
     "position_weights",
