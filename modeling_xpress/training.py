@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.utils import ModelOutput, logging
@@ -181,12 +180,13 @@ class XPressDataCollator:
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         rows = []
         for i, row in enumerate(features):
-            ids, mask = list(row["input_ids"]), list(row["loss_mask"])
+            ids = torch.as_tensor(row["input_ids"], dtype=torch.long).flatten()
+            mask = torch.as_tensor(row["loss_mask"]).flatten().bool()
             if len(ids) != len(mask):
                 raise ValueError(f"row {i}: input_ids has {len(ids)} tokens but loss_mask has {len(mask)}")
             if self.max_length is not None:
                 ids, mask = ids[: self.max_length], mask[: self.max_length]
-            rows.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)))
+            rows.append((ids, mask))
         b, t_max = len(rows), max(len(ids) for ids, _ in rows)
         m, n = self.anchors_per_sequence, self.block_size - 1
 
@@ -670,7 +670,8 @@ class XPressTrainer(Trainer):
         # The objective returns a per-batch mean: the Trainer must divide it for gradient accumulation itself.
         self.model_accepts_loss_kwargs = False
         self.loss_is_scaled_for_ga = False
-        self.target.to(self.args.device)
+        if getattr(target, "hf_device_map", None) is None:  # a target dispatched over devices stays where it is
+            self.target.to(self.args.device)
         self._metric_sums: dict[str, dict[str, torch.Tensor]] = {"train": {}, "eval": {}}
 
     # --- loss and logs -----------------------------------------------------------------------------------------------
