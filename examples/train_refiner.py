@@ -62,6 +62,9 @@ class ScriptArguments:
     num_draft_layers: int = field(default=5, metadata={"help": "Fresh drafter: number of decoder layers."})
     draft_intermediate_size: int | None = field(default=None, metadata={"help": "Fresh drafter: MLP width (default: target's)."})
     mask_token_id: int | None = field(default=None, metadata={"help": "Fresh drafter: mask token id (default: learned vector)."})
+    threads: int | None = field(
+        default=None, metadata={"help": "torch intra-op threads per process (1 is much faster on a busy CPU)."}
+    )
 
 
 def tiny_random_target(seed: int) -> LlamaForCausalLM:
@@ -151,6 +154,8 @@ def build_drafter(args: ScriptArguments, target) -> XPressModel:
 
 def main() -> None:
     script_args, training_args = HfArgumentParser((ScriptArguments, XPressTrainingArguments)).parse_args_into_dataclasses()
+    if script_args.threads is not None:
+        torch.set_num_threads(script_args.threads)
     set_seed(training_args.seed)
     target = load_target(script_args, training_args.seed)
     data = load_data(script_args, target, training_args.seed)
