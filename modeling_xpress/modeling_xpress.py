@@ -191,10 +191,14 @@ class XPressRefiner(nn.Module):
         a_hidden = hidden @ f.hidden_weight.T + g @ f.global_weight.T  # (b, n, r)
         return torch.einsum("dkj,bjd->bkd", f.mix, a_hidden)
 
-    def delta_folded(self, prepared: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """δ for one Jacobi iteration from `prepare(hidden)` and the current tokens (b, n) → (b, n, V)."""
+    def delta_folded(self, prepared: torch.Tensor, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """δ for one Jacobi iteration from `prepare(hidden)` and the current previous tokens (b, n).
+
+        Only positions `start..n-1` are computed, (b, n - start, V): by causality a position whose prefix did not
+        change keeps its δ, so Jacobi recomputes just the tail after the first token that moved.
+        """
         f = self.folded()
-        c = prepared + torch.einsum("dkj,bjd->bkd", f.mix, f.token_table[tokens])
+        c = prepared[:, start:] + torch.einsum("dkj,bjd->bkd", f.mix[:, start:], f.token_table[tokens])
         return self.trans_read(c)
 
 
