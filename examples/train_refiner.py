@@ -171,6 +171,11 @@ def main() -> None:
         )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
+    # Wait for every rank (rank 0 may still be writing the final folder), then tear the process group down
+    # explicitly: left to interpreter exit, gloo's threads can still be running and a rank aborts with "terminate
+    # called without an active exception" after the work is done.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ FRESH_PROCESS = textwrap.dedent(
         pass
     import torch
     from transformers import AutoModel, LlamaForCausalLM
+    torch.set_num_threads(1)  # as in the test process (tests/conftest.py): same kernels, bit-identical outputs
     folder, target_dir, inputs_path, out_path = sys.argv[1:5]
     xpress = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
     target = LlamaForCausalLM.from_pretrained(target_dir).eval()

@@ -1,0 +1,105 @@
+"""The SmolLM2-135M-Instruct training sequence of issue 4, scripted and resumable.
+
+Stages (each a run of examples/train_refiner.py, so every stage is also reproducible by hand):
+
+1. ``drafter``  — a drafter trained from scratch with dFlash's own objective (``--refiner none``);
+2. from those same weights, three continuations with an equal step budget:
+   ``dflash`` (no head: the baseline), ``markov`` (DSpark's Markov head), ``xpress`` (the causal refiner).
+
+A stage whose output folder already holds a final model is skipped; an interrupted stage resumes from its last
+checkpoint. `<out>/training_summary.json` records each stage's command, configuration, steps, wall time and final
+logged losses.
+
+    python examples/smollm2_pipeline.py --data cache/regen_shards --out runs/smollm2 --drafter-steps 400 --head-steps 150
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from modeling_xpress.assets import smollm2_dir
+
+HEADS = ("dflash", "markov", "xpress")
+REFINER_OF = {"dflash": "none", "markov": "markov", "xpress": "xpress"}
+
+
+def last_checkpoint(folder: Path) -> Path | None:
+    checkpoints = sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    return checkpoints[-1] if checkpoints else None
+
+
+def final_logs(folder: Path) -> dict:
+    """The last logged training metrics of a finished stage (from the Trainer's state)."""
+    state_file = folder / "trainer_state.json"
+    checkpoint = last_checkpoint(folder)
+    if not state_file.is_file() and checkpoint is not None:
+        state_file = checkpoint / "trainer_state.json"
+    if not state_file.is_file():
+        return {}
+    state = json.loads(state_file.read_text())
+    logs = [entry for entry in state.get("log_history", []) if "loss" in entry]
+    return {"global_step": state.get("global_step"), "last_log": logs[-1] if logs else None}
+
+
+def run_stage(name: str, args: argparse.Namespace, extra: list[str], summary: dict) -> None:
+    out = Path(args.out) / name
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        print(f"[{name}] already finished: {out}")
+        summary.setdefault(name, {}).update(final_logs(out))
+        return
+    command = [
+        sys.executable, "examples/train_refiner.py", "--target", str(smollm2_dir()), "--target_dtype", "bfloat16",
+        "--data", args.data, "--output_dir", str(out), "--threads", str(args.threads), "--bf16",
+        "--per_device_train_batch_size", str(args.batch_size), "--anchors_per_sequence", str(args.anchors),
+        "--max_seq_length", str(args.max_seq_length), "--learning_rate", str(args.learning_rate),
+        "--lr_scheduler_type", "cosine", "--logging_steps", "5", "--save_steps", "50", "--save_total_limit", "2",
+        "--report_to", "none", "--seed", str(args.seed), *extra,
+    ]  # fmt: skip
+    resume = last_checkpoint(out)
+    if resume is not None:
+        command += ["--resume_from_checkpoint", str(resume)]
+    print(f"[{name}] {' '.join(command)}", flush=True)
+    start = time.time()
+    subprocess.run(command, check=True)
+    summary[name] = {"command": command, "wall_seconds_this_run": time.time() - start, **final_logs(out)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="data/smollm2_responses/responses.parquet")
+    parser.add_argument("--out", default="runs/smollm2")
+    parser.add_argument("--drafter-steps", type=int, default=400)
+    parser.add_argument("--head-steps", type=int, default=150, help="equal budget for each continuation")
+    parser.add_argument("--num-draft-layers", type=int, default=2)
+    parser.add_argument("--refiner-rank", type=int, default=64, help="rank of the Markov and xPress heads")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--anchors", type=int, default=8)
+    parser.add_argument("--max-seq-length", type=int, default=640)
+    parser.add_argument("--learning-rate", type=float, default=6e-4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stages", nargs="+", default=["drafter", *HEADS], choices=["drafter", *HEADS])
+    args = parser.parse_args()
+
+    summary_path = Path(args.out) / "training_summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary["settings"] = vars(args)
+    drafter = Path(args.out) / "drafter"
+    for stage in args.stages:
+        if stage == "drafter":
+            extra = ["--refiner", "none", "--block_size", "16", "--num_draft_layers", str(args.num_draft_layers),
+                     "--max_steps", str(args.drafter_steps), "--warmup_steps", "20"]  # fmt: skip
+        else:
+            extra = ["--init_from", str(drafter), "--refiner", REFINER_OF[stage], "--refiner_rank",
+                     str(args.refiner_rank), "--max_steps", str(args.head_steps), "--warmup_steps", "10"]  # fmt: skip
+        run_stage(stage, args, extra, summary)
+        summary_path.parent.mkdir(parents=True, exist_ok=True)
+        summary_path.write_text(json.dumps(summary, indent=2, default=str))
+    print(f"summary: {summary_path}")
+
+
+if __name__ == "__main__":
+    main()
