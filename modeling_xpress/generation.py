@@ -38,7 +38,8 @@ class XPressGenerationStats:
     jacobi_iterations: list[int] = field(default_factory=list)  # refiner passes per drafted block
     time_drafter: float = 0.0  # seconds in the drafter forward
     time_lm_head: float = 0.0  # seconds in the target lm_head readout of the drafter
-    time_refiner: float = 0.0  # seconds in refinement (Jacobi / Markov serial decode / plain argmax)
+    time_refiner: float = 0.0  # seconds in refinement (Jacobi / Markov serial decode / plain argmax), including
+    # drawing the block's Gumbel noise when sampling
     time_verify: float = 0.0  # seconds in target verification and acceptance (spec_generate: exact; generate: the
     # time between two draft calls, i.e. transformers' verification step)
     time_total: float = 0.0
