@@ -40,7 +40,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from .generation import spec_generate
+from .generation import WallClock, spec_generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ENTRIES = ("generate", "spec_generate")  # the two speculative entry points; "plain" is target.generate alone
@@ -181,10 +181,7 @@ def evaluation_prompt_sets(tokenizer, limit: int | None = None) -> dict[str, Pro
 
 
 def _now(device: torch.device) -> float:
-    # GPU work is asynchronous: synchronise so a section is charged for the kernels it launched.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+    return WallClock(device).now()
 
 
 @contextlib.contextmanager

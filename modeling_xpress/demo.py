@@ -1,9 +1,10 @@
 """Side-by-side runs of plain `target.generate` and xPress speculative decoding, measured in the same process."""
 
-import time
 from dataclasses import dataclass
 
 import torch
+
+from .generation import WallClock
 
 
 @dataclass
@@ -30,12 +31,13 @@ def compare_greedy(target, xpress, prompts: list[torch.Tensor], *, max_new_token
         target.generate(prompts[0], max_new_tokens=4, do_sample=False)
         target.generate(prompts[0], max_new_tokens=4, do_sample=False, assistant_model=xpress)
     rows = []
+    clock = WallClock(target.device)  # synchronises CUDA, so GPU times are real
     for ids in prompts:
-        t0 = time.perf_counter()
+        t0 = clock.now()
         plain = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        t1 = time.perf_counter()
+        t1 = clock.now()
         fast = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=xpress)
-        t2 = time.perf_counter()
+        t2 = clock.now()
         new = fast[0, ids.shape[1] :]
         rows.append(
             ComparisonRow(

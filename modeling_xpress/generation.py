@@ -68,7 +68,7 @@ class XPressGenerationStats:
         }
 
 
-class _Clock:
+class WallClock:
     """Wall-clock sections; synchronises CUDA so GPU work is charged to the section that launched it."""
 
     def __init__(self, device: torch.device):
@@ -132,7 +132,7 @@ def draft_block(
     do_sample: bool = False,
     generator: torch.Generator | None = None,
     stats: XPressGenerationStats | None = None,
-    clock: _Clock | None = None,
+    clock: WallClock | None = None,
 ) -> RefinementResult:
     """Draft one block after the committed prefix and return its tokens and their distributions.
 
@@ -140,7 +140,7 @@ def draft_block(
     of committed tokens the drafter cache has not seen. The drafter cache keeps only context K/V: the block's K/V are
     cropped before returning.
     """
-    clock = clock or _Clock(anchor.device)
+    clock = clock or WallClock(anchor.device)
     block = xpress.config.block_size
     t0 = clock.now()
     noise_embeds = xpress.embed_blocks(anchor.view(1, 1), embed_tokens)  # (1, B, H)
@@ -217,7 +217,7 @@ class XPressCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor
         self.cache = DynamicCache(config=xpress.config)
         self.context_len = 0  # committed tokens whose features are in the drafter cache
-        self.clock = _Clock(xpress.device)
+        self.clock = WallClock(xpress.device)
         self.stats = XPressGenerationStats()
         xpress.generation_stats = self.stats
         self._start = self.clock.now()
@@ -467,7 +467,7 @@ def spec_generate(
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     stats = XPressGenerationStats()
     xpress.generation_stats = stats
-    clock = _Clock(input_ids.device)
+    clock = WallClock(input_ids.device)
     start = clock.now()
 
     def pick(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -534,6 +534,7 @@ __all__ = [
     "XPressCandidateGenerator",
     "XPressGenerationStats",
     "XPressGenerateOutput",
+    "WallClock",
     "install_generation_hook",
     "spec_generate",
 ]

@@ -46,8 +46,8 @@ def decode(logits: torch.Tensor, transform: LogitsTransform | None, noise: torch
     return processed, scores.argmax(dim=-1)
 
 
-def _shift_in(anchor_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Previous-token inputs x_0..x_{n-1} = [anchor, y_1..y_{n-1}] for a block of tokens y_1..y_n."""
+def previous_tokens(anchor_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The head's token inputs x_0..x_{n-1} = [anchor, y_1..y_{n-1}] for block tokens y_1..y_n: (b,), (b, n) → (b, n)."""
     return torch.cat([anchor_ids.view(-1, 1), tokens[:, :-1]], dim=1)
 
 
@@ -80,7 +80,7 @@ def jacobi_refine(
     settled = torch.zeros(b, dtype=torch.bool, device=tokens.device)
     start = 0  # positions before `start` saw no prefix change in the last iteration: their logits stand
     for _ in range(max_iters):
-        delta = refiner.delta_folded(prepared, _shift_in(anchor_ids, tokens), start=start)  # (b, n - start, V)
+        delta = refiner.delta_folded(prepared, previous_tokens(anchor_ids, tokens), start=start)  # (b, n - start, V)
         tail_noise = None if noise is None else noise[:, start:]
         tail_logits, tail_tokens = decode(base_logits[:, start:] + delta, logits_transform, tail_noise)
         processed = torch.cat([processed[:, :start], tail_logits], dim=1) if start else tail_logits
@@ -115,7 +115,7 @@ def sequential_refine(
     tokens = torch.zeros(b, n, dtype=torch.long, device=base_logits.device)
     logits = torch.empty(b, n, v, dtype=torch.float32, device=base_logits.device)
     for k in range(n):
-        delta = refiner(hidden, _shift_in(anchor_ids, tokens))[:, k]  # positions > k are ignored by causality
+        delta = refiner(hidden, previous_tokens(anchor_ids, tokens))[:, k]  # positions > k are ignored by causality
         logits[:, k], tokens[:, k] = decode(base_logits[:, k] + delta, logits_transform, None if noise is None else noise[:, k])
     return RefinementResult(tokens=tokens, logits=logits, iterations=torch.full((b,), n, device=tokens.device))
 
@@ -157,4 +157,5 @@ __all__ = [
     "sequential_refine",
     "markov_decode",
     "plain_decode",
+    "previous_tokens",
 ]

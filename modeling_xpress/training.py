@@ -31,6 +31,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.utils import ModelOutput, logging
 
 from .modeling_xpress import XPressModel
+from .refinement import previous_tokens
 
 logger = logging.get_logger(__name__)
 
@@ -424,11 +425,6 @@ class XPressObjectiveOutput(ModelOutput):
     metrics: dict[str, torch.Tensor] | None = None
 
 
-def previous_tokens(anchor_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The head's token inputs x_0..x_{n-1} = [anchor, y_1..y_{n-1}] for block tokens y_1..y_n: (N,), (N, n) → (N, n)."""
-    return torch.cat([anchor_ids.view(-1, 1), tokens[:, :-1]], dim=1)
-
-
 def _mean_metric(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([(values.detach() * mask).sum().float(), mask.sum().float()])
 
@@ -784,7 +780,6 @@ __all__ = [
     "distribution_loss",
     "draft_blocks",
     "position_weights",
-    "previous_tokens",
     "prepare_for_training",
     "target_signals",
     "with_fresh_head",
