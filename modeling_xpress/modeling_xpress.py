@@ -356,7 +356,9 @@ class XPressModel(XPressPreTrainedModel):
 
     def base_logits(self, last_hidden_state: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Drafter logits s_k for the draft positions of one block: (b, B, H) → (b, n, V) via the target's lm_head."""
-        return lm_head(last_hidden_state[:, 1:])
+        # contiguous: a strided 3-D input makes `F.linear` fall back to a batched matmul over a copy of the
+        # (V, H) weight per batch row, which is most of the cost of a training step on CPU.
+        return lm_head(last_hidden_state[:, 1:].contiguous())
 
     # --- refinement ----------------------------------------------------------------------------------------------
 

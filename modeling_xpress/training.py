@@ -492,9 +492,9 @@ class XPressObjective(nn.Module):
         # A frozen drafter (train_mode="refiner") runs without a graph: nothing upstream of the head needs gradients.
         with torch.set_grad_enabled(torch.is_grad_enabled() and self._drafter_trainable()):
             hidden = draft_blocks(core, embed_tokens, signals.context, anchors, anchor_ids)[anchor_mask]  # (N, B, H)
-        hidden = hidden[:, 1:]  # draft positions 1..n, (N, n, H)
         anchor_ids, labels = anchor_ids[anchor_mask], labels[anchor_mask]  # (N,), (N, n)
-        base = lm_head(hidden.to(lm_head.weight.dtype))  # s, (N, n, V)
+        base = core.base_logits(hidden.to(lm_head.weight.dtype), lm_head)  # s, (N, n, V)
+        hidden = hidden[:, 1:]  # draft positions 1..n, (N, n, H), what the head reads
         weights = position_weights(config.num_draft_tokens, self.gamma, device=base.device)
 
         terms: dict[str, DistributionLoss] = {"base": self._loss(base, signals, labels, weights)}

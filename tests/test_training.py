@@ -155,6 +155,32 @@ def test_blocks_see_neither_their_anchor_features_nor_later_context_nor_other_bl
     assert not torch.allclose(seen[:, 0], hidden[:, 0], atol=1e-3)
 
 
+def test_training_blocks_equal_the_blocks_drafted_at_decode_time():
+    """What the loss trains is what decoding runs: `draft_blocks` (all blocks of a sequence at once, training) gives
+    the drafter logits that `generation.draft_block` (one block on the drafter's KV cache, decoding) gives for the
+    same anchor, with the context fed in one piece or in two increments as decoding does."""
+    from transformers import DynamicCache
+
+    from modeling_xpress.generation import draft_block
+
+    target = tiny_llama()
+    model = tiny_xpress(target, refiner="none", block_size=BLOCK)
+    ids = torch.randint(0, target.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(3))
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        context = torch.cat([out.hidden_states[i + 1] for i in model.config.target_layer_ids], dim=-1)
+        anchors = torch.tensor([[9, 21]])
+        trained = model.base_logits(draft_blocks(model, embed, context, anchors, ids.gather(1, anchors))[0], lm_head)
+        for j, t in enumerate(anchors[0].tolist()):
+            whole = draft_block(model, embed, lm_head, ids[:, t], context[:, :t], 0, DynamicCache()).logits
+            cache = DynamicCache()
+            draft_block(model, embed, lm_head, ids[:, 5], context[:, :5], 0, cache)  # an earlier block, then more
+            pieces = draft_block(model, embed, lm_head, ids[:, t], context[:, 5:t], 5, cache).logits
+            torch.testing.assert_close(whole[0], trained[j], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(pieces[0], trained[j], rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The objective against a naive block-by-block reference
 # ---------------------------------------------------------------------------------------------------------------------
