@@ -35,9 +35,13 @@ def render_model_card(
     repo_id: str = "<your-org>/<this-repo>",
     target_model: str | None = None,
     training_summary: str = "See the project README for the training recipe.",
+    evaluation_summary: str = "",
     template: Path = TEMPLATE,
 ) -> ModelCard:
-    """Fill `hub_cards/xpress_model_card.md` from an `XPressConfig` and optional evaluation rows."""
+    """Fill `hub_cards/xpress_model_card.md` from an `XPressConfig` and optional evaluation rows.
+
+    `evaluation_summary` (Markdown) goes above the results table: how and where the numbers were measured.
+    """
     if not template.is_file():
         raise FileNotFoundError(f"model card template {template} not found; install the package from its repository")
     target = target_model or getattr(config, "target_model_name", None) or "the target model"
@@ -69,5 +73,6 @@ def render_model_card(
         jacobi_max_iters=config.jacobi_max_iters,
         jacobi_early_exit=config.jacobi_early_exit,
         results_table=results_markdown(results),
+        evaluation_summary=evaluation_summary,
         training_summary=training_summary,
     )

@@ -1,0 +1,215 @@
+"""Configuration of an xPress checkpoint: a dFlash-layout block-diffusion drafter plus its causal refiner.
+
+The config is the single source of truth for everything the drafter, the refiner, the generation loop and the
+training code need to know. Fields are flat and documented where they are declared; `__post_init__` validates them
+and names the bad value. Target-dependent fields are best derived with `XPressConfig.from_target_config`.
+
+This file travels with every saved checkpoint, so it imports only torch/transformers.
+"""
+
+from typing import Any
+
+from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+REFINER_TYPES = ("xpress", "markov", "none")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """dFlash's rule for which target layers feed the drafter's context.
+
+    One drafter layer reads the middle target layer; otherwise the layers are spread evenly over
+    `[1, L - 3]`, e.g. Qwen3-8B (36 layers) with 5 drafter layers gives `[1, 9, 17, 25, 33]`.
+    """
+    if num_target_layers < 1 or num_draft_layers < 1:
+        raise ValueError(
+            f"need at least one target and one drafter layer, got num_target_layers={num_target_layers}, "
+            f"num_draft_layers={num_draft_layers}"
+        )
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    ids = [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    # Tiny targets (L < 5) would round outside the stack: clamp to valid layer indices.
+    return [min(max(i, 0), num_target_layers - 1) for i in ids]
+
+
+class XPressConfig(PreTrainedConfig):
+    r"""
+    Configuration for [`XPressModel`]: a block-diffusion drafter (Qwen3-style decoder layers that attend to the
+    target's hidden states) and a causal logit refiner on top of it.
+
+    The drafter borrows the target's input embedding table and `lm_head` at call time, so its `hidden_size` must
+    equal the target's. Use [`XPressConfig.from_target_config`] to fill every target-dependent field from the target's
+    own config.
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoConfig
+    >>> from modeling_xpress import XPressConfig, XPressModel
+    >>> target_config = AutoConfig.from_pretrained("Qwen/Qwen3-8B")
+    >>> config = XPressConfig.from_target_config(target_config, num_hidden_layers=5, mask_token_id=151669)
+    >>> model = XPressModel(config)
+    ```
+    """
+
+    model_type = "xpress"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    # --- target facts -------------------------------------------------------------------------------------------
+    # Size of the target's vocabulary (rows of its input embedding table / lm_head).
+    vocab_size: int = 151936
+    # Width of the target's hidden states; the drafter works at this width because it reads the target's embeddings
+    # and its lm_head reads the drafter's output.
+    target_hidden_size: int = 4096
+    # Number of decoder layers in the target.
+    num_target_layers: int = 36
+    # Target layers whose hidden states form the drafter's context (0-based decoder layer index; the transformers
+    # `hidden_states` tuple index is `i + 1`). None → dFlash's default rule (`default_target_layer_ids`).
+    target_layer_ids: list[int] | None = None
+    # The target's special tokens: transformers' assisted decoding and pipelines compare them to decide whether the
+    # assistant shares the target's tokenizer.
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    # --- drafter architecture (Qwen3 decoder layers) ------------------------------------------------------------
+    # Drafter hidden width; must equal `target_hidden_size`.
+    hidden_size: int = 4096
+    # SwiGLU MLP width.
+    intermediate_size: int = 12288
+    # Number of drafter decoder layers.
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+
+    # --- block diffusion ----------------------------------------------------------------------------------------
+    # Tokens per draft block, anchor included: one pass proposes `block_size - 1` draft tokens.
+    block_size: int = 16
+    # Token id whose target embedding marks a masked (to-be-drafted) position. None → the drafter owns a learned
+    # mask vector (for targets whose embedding table has no spare row, e.g. SmolLM2).
+    mask_token_id: int | None = None
+
+    # --- refiner ------------------------------------------------------------------------------------------------
+    # Correction head on the drafter's logits: "xpress" (causal low-rank refiner solved by Jacobi iterations),
+    # "markov" (bias indexed by the previous token, decoded serially: the DSpark baseline) or "none" (plain dFlash).
+    refiner: str = "xpress"
+    # Low-rank width r of the refiner / Markov head.
+    refiner_rank: int = 256
+    # Maximum Jacobi iterations K per block.
+    jacobi_max_iters: int = 4
+    # Stop a block's Jacobi iteration as soon as an iteration changes no token (the fixed point is reached; the
+    # result is identical, only fewer iterations run).
+    jacobi_early_exit: bool = True
+
+    def __post_init__(self, **kwargs):
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", 1_000_000.0)}
+        if self.target_layer_ids is None and self.num_target_layers and self.num_hidden_layers:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        super().__post_init__(**kwargs)
+        self.validate_xpress()
+
+    def validate_xpress(self) -> None:
+        """Raise a `ValueError` naming the first field whose value cannot work."""
+        if self.refiner not in REFINER_TYPES:
+            raise ValueError(f"refiner must be one of {REFINER_TYPES}, got {self.refiner!r}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (an anchor plus at least one draft), got {self.block_size}")
+        if self.refiner_rank < 1:
+            raise ValueError(f"refiner_rank must be a positive integer, got {self.refiner_rank}")
+        if self.jacobi_max_iters < 1:
+            raise ValueError(f"jacobi_max_iters must be >= 1, got {self.jacobi_max_iters}")
+        if self.hidden_size != self.target_hidden_size:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must equal target_hidden_size ({self.target_hidden_size}): the "
+                "drafter reads the target's embeddings and feeds the target's lm_head. Build the config with "
+                "XPressConfig.from_target_config(target.config)."
+            )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})"
+            )
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty: the drafter needs at least one target layer as context")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {bad} are out of range for a target with num_target_layers="
+                f"{self.num_target_layers} (valid: 0..{self.num_target_layers - 1})"
+            )
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id} is outside the target vocabulary (0..{self.vocab_size - 1}); "
+                "pass None to let the drafter learn its own mask vector"
+            )
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens proposed per block (the anchor is already committed)."""
+        return self.block_size - 1
+
+    @classmethod
+    def from_target_config(cls, target_config: PreTrainedConfig, **overrides: Any) -> "XPressConfig":
+        """Derive every target-dependent field from the target's config; `overrides` set drafter/refiner fields.
+
+        The drafter copies the target's attention geometry (heads, head_dim, RoPE, norm eps) unless overridden, and
+        `target_layer_ids` follows dFlash's default rule for the chosen number of drafter layers.
+        """
+        text = target_config.get_text_config(decoder=True)
+        heads = text.num_attention_heads
+        derived = dict(
+            vocab_size=text.vocab_size,
+            target_hidden_size=text.hidden_size,
+            num_target_layers=text.num_hidden_layers,
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            max_position_embeddings=getattr(text, "max_position_embeddings", 40960),
+            rope_parameters=dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e6}),
+            bos_token_id=getattr(text, "bos_token_id", None),
+            eos_token_id=getattr(text, "eos_token_id", None),
+            pad_token_id=getattr(text, "pad_token_id", None),
+        )
+        derived.update(overrides)
+        if "target_layer_ids" not in overrides:
+            derived["target_layer_ids"] = default_target_layer_ids(
+                derived["num_target_layers"], derived.get("num_hidden_layers", cls.num_hidden_layers)
+            )
+        return cls(**derived)
+
+    def check_target(self, target_config: PreTrainedConfig) -> None:
+        """Raise a `ValueError` if this drafter was not built for `target_config` (vocab, width, depth)."""
+        text = target_config.get_text_config(decoder=True)
+        problems = []
+        if text.vocab_size != self.vocab_size:
+            problems.append(f"vocab_size {text.vocab_size} != drafter's {self.vocab_size}")
+        if text.hidden_size != self.target_hidden_size:
+            problems.append(f"hidden_size {text.hidden_size} != drafter's target_hidden_size {self.target_hidden_size}")
+        if text.num_hidden_layers != self.num_target_layers:
+            problems.append(
+                f"num_hidden_layers {text.num_hidden_layers} != drafter's num_target_layers {self.num_target_layers}"
+            )
+        if problems:
+            raise ValueError(
+                "This xPress drafter was built for a different target model: target " + "; ".join(problems) + ". "
+                "Use the checkpoint trained for this target, or build one with XPressConfig.from_target_config."
+            )
+
+
+__all__ = ["XPressConfig", "default_target_layer_ids"]

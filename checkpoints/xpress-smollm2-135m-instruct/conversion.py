@@ -1,0 +1,143 @@
+"""Build an xPress model from a released dFlash drafter checkpoint (SPEC §2); the correction head starts fresh.
+
+Two source layouts are read:
+
+* dFlash releases (e.g. `z-lab/Qwen3-8B-DFlash-b16`): a Qwen3 config with `architectures: ["DFlashDraftModel"]`,
+  `block_size`, `num_target_layers` and a nested `dflash_config: {mask_token_id, target_layer_ids}`; weights
+  `layers.*`, `norm.weight`, `fc.weight`, `hidden_norm.weight` (no embedding, no lm_head).
+* transformers' native dFlash assistant: flat `block_size`/`mask_token_id`/`target_layer_ids` config fields and
+  `encoder.fc` / `encoder.output_norm_enc` weight names.
+
+This file travels with every saved checkpoint; it imports only torch, transformers and its siblings.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers.modeling_utils import load_state_dict
+from transformers.utils import logging
+
+from .configuration_xpress import XPressConfig
+
+logger = logging.get_logger(__name__)
+
+_RENAMES = (("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."))
+_IGNORED_PREFIXES = ("embed_tokens.", "lm_head.")  # the drafter uses the target's own tables
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json; expected a dFlash checkpoint folder (config + weights)")
+    return json.loads(path.read_text())
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder: model.safetensors, a sharded safetensors index, or pytorch_model.bin."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    elif (folder / "pytorch_model.bin").is_file():
+        files = ["pytorch_model.bin"]
+    else:
+        raise FileNotFoundError(
+            f"{folder} has no weights: expected model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+        )
+    state = {}
+    for name in files:
+        state.update(load_state_dict(str(folder / name)))
+    return state
+
+
+def dflash_config_to_xpress(raw: dict, **overrides) -> XPressConfig:
+    """Map a dFlash (or native transformers dFlash assistant) config dict onto `XPressConfig` fields."""
+    nested = raw.get("dflash_config") or {}
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in raw]
+    if missing:
+        raise ValueError(f"dFlash config is missing {missing}; is this a dFlash drafter checkpoint?")
+    fields = dict(
+        hidden_size=raw["hidden_size"],
+        target_hidden_size=raw.get("target_hidden_size", raw["hidden_size"]),
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.get("max_position_embeddings", 40960),
+        attention_bias=raw.get("attention_bias", False),
+        hidden_act=raw.get("hidden_act", "silu"),
+        block_size=raw.get("block_size", 16),
+        mask_token_id=nested.get("mask_token_id", raw.get("mask_token_id")),
+        target_layer_ids=nested.get("target_layer_ids", raw.get("target_layer_ids")),
+    )
+    rope = raw.get("rope_parameters") or {"rope_type": "default", "rope_theta": raw.get("rope_theta", 1_000_000.0)}
+    fields["rope_parameters"] = rope
+    for key in ("vocab_size", "num_target_layers", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if raw.get(key) is not None:
+            fields[key] = raw[key]
+    fields.update(overrides)
+    if "num_target_layers" not in fields:
+        raise ValueError(
+            "The dFlash config has no num_target_layers; pass num_target_layers=<target's layer count> to from_dflash"
+        )
+    if fields.get("mask_token_id") is None:
+        raise ValueError(
+            "The dFlash config has no mask_token_id (dflash_config.mask_token_id). A released drafter was trained "
+            "with a specific mask token; pass mask_token_id=<that id> to from_dflash. (A learned mask vector is only "
+            "for drafters trained that way from scratch.)"
+        )
+    if fields.get("target_layer_ids") is None:
+        raise ValueError("The dFlash config has no target_layer_ids; pass target_layer_ids=[...] to from_dflash")
+    return XPressConfig(**fields)
+
+
+def _normalise_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state.items():
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        for old, new in _RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        if name.startswith(_IGNORED_PREFIXES):
+            logger.warning(f"Ignoring {name}: xPress reads the target's own embedding table and lm_head")
+            continue
+        out[name] = tensor
+    return out
+
+
+def load_dflash(cls, path: str | os.PathLike, **overrides):
+    """Instantiate `cls` (an `XPressModel`) with a dFlash checkpoint's drafter weights and a fresh head."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"dFlash checkpoint folder {folder} does not exist")
+    config = dflash_config_to_xpress(_read_config(folder), **overrides)
+    model = cls(config)
+    state = _normalise_names(_read_weights(folder))
+    expected = {k: v.shape for k, v in model.state_dict().items() if not k.startswith("refiner.") and k != "mask_embedding"}
+    missing = sorted(set(expected) - set(state))
+    misshapen = [f"{k}: checkpoint {tuple(state[k].shape)} vs expected {tuple(s)}" for k, s in expected.items() if k in state and state[k].shape != s]
+    unexpected = sorted(set(state) - set(expected))
+    if missing or misshapen or unexpected:
+        lines = []
+        if missing:
+            lines.append(f"missing tensors: {missing}")
+        if misshapen:
+            lines.append("misshapen tensors: " + "; ".join(misshapen))
+        if unexpected:
+            lines.append(f"unexpected tensors: {unexpected}")
+        raise ValueError(
+            f"{folder} does not match the dFlash layout implied by its config ("
+            + " | ".join(lines)
+            + "). Check that config.json belongs to these weights."
+        )
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+__all__ = ["load_dflash", "dflash_config_to_xpress"]

@@ -1,0 +1,540 @@
+"""xPress speculative decoding: draft → refine → verify → accept → roll back caches.
+
+Two ways in:
+
+* `target.generate(**inputs, assistant_model=xpress)` (and `pipeline(..., assistant_model=xpress)`): transformers'
+  own assisted-decoding loop does verification and acceptance; `XPressCandidateGenerator` drafts and refines.
+  transformers has no public parameter for a custom candidate generator, so `install_generation_hook` wraps two
+  private `GenerationMixin` methods; see its docstring for exactly what it changes.
+* `spec_generate(xpress, target, input_ids, ...)`: a standalone loop with its own caches and timing breakdown.
+
+This file travels with every saved checkpoint; it imports only torch, transformers and its siblings.
+"""
+
+import contextlib
+import functools
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers import DynamicCache, GenerationMixin, LogitsProcessorList
+from transformers.generation.candidate_generator import CandidateGenerator, DFlashTokenCandidateGenerator
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from .refinement import RefinementResult, gumbel_noise
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class XPressGenerationStats:
+    """What one generation call measured. τ counts tokens committed per target verification, bonus included."""
+
+    acceptance_lengths: list[int] = field(default_factory=list)  # per verification step, 1 ≤ τ_step ≤ block_size
+    jacobi_iterations: list[int] = field(default_factory=list)  # refiner passes per drafted block
+    time_drafter: float = 0.0  # seconds in the drafter forward
+    time_lm_head: float = 0.0  # seconds in the target lm_head readout of the drafter
+    time_refiner: float = 0.0  # seconds in refinement (Jacobi / Markov serial decode / plain argmax), including
+    # drawing the block's Gumbel noise when sampling
+    time_verify: float = 0.0  # seconds in target verification and acceptance (spec_generate: exact; generate: the
+    # time between two draft calls, i.e. transformers' verification step)
+    time_total: float = 0.0
+    new_tokens: int = 0
+
+    @property
+    def mean_tau(self) -> float:
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+    @property
+    def mean_jacobi_iterations(self) -> float:
+        return sum(self.jacobi_iterations) / max(len(self.jacobi_iterations), 1)
+
+    def as_dict(self) -> dict:
+        return {
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "mean_tau": self.mean_tau,
+            "jacobi_iterations": list(self.jacobi_iterations),
+            "mean_jacobi_iterations": self.mean_jacobi_iterations,
+            "time_drafter": self.time_drafter,
+            "time_lm_head": self.time_lm_head,
+            "time_refiner": self.time_refiner,
+            "time_verify": self.time_verify,
+            "time_total": self.time_total,
+            "new_tokens": self.new_tokens,
+        }
+
+
+class WallClock:
+    """Wall-clock sections; synchronises CUDA so GPU work is charged to the section that launched it."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared steps
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int], count: int) -> torch.Tensor:
+    """The drafter's context features for the first `count` tokens of a target forward: (1, count, L·H_t)."""
+    return torch.cat([hidden_states[i + 1][:, :count] for i in layer_ids], dim=-1)
+
+
+def processors_transform(logits_processor: LogitsProcessorList | None, input_ids: torch.Tensor):
+    """Apply a transformers processor list to a block of logits (b, n, V), position by position in one batch.
+
+    Processors see the committed `input_ids` (not the in-block draft prefix); that only affects how close q is to p,
+    never correctness, because the logits returned are exactly those the draft tokens are drawn from.
+    """
+    if not logits_processor:
+        return None
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        b, n, v = logits.shape
+        ids = input_ids.expand(b * n, -1) if input_ids.shape[0] == 1 else input_ids.repeat_interleave(n, dim=0)
+        return logits_processor(ids, logits.reshape(b * n, v)).reshape(b, n, v)
+
+    return transform
+
+
+def sampling_processors(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
+    """Temperature, top-k and top-p as transformers' own warpers (applied identically to q and p)."""
+    processors = LogitsProcessorList()
+    if temperature > 0 and temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None and top_k > 0:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    return processors
+
+
+def draft_block(
+    xpress,
+    embed_tokens: torch.nn.Module,
+    lm_head: torch.nn.Module,
+    anchor: torch.Tensor,
+    context_features: torch.Tensor,
+    context_start: int,
+    cache: DynamicCache,
+    *,
+    logits_transform=None,
+    do_sample: bool = False,
+    generator: torch.Generator | None = None,
+    stats: XPressGenerationStats | None = None,
+    clock: WallClock | None = None,
+) -> RefinementResult:
+    """Draft one block after the committed prefix and return its tokens and their distributions.
+
+    anchor: (1,) last committed token (position `context_start + c`); context_features: (1, c, L·H_t) target features
+    of committed tokens the drafter cache has not seen. The drafter cache keeps only context K/V: the block's K/V are
+    cropped before returning.
+    """
+    clock = clock or WallClock(anchor.device)
+    block = xpress.config.block_size
+    t0 = clock.now()
+    noise_embeds = xpress.embed_blocks(anchor.view(1, 1), embed_tokens)  # (1, B, H)
+    c = context_features.shape[1]
+    position_ids = torch.arange(context_start, context_start + c + block, device=anchor.device).unsqueeze(0)
+    dtype = xpress.fc.weight.dtype
+    out = xpress(
+        noise_embeds=noise_embeds.to(dtype),
+        context_hidden_states=context_features.to(dtype),
+        position_ids=position_ids,
+        cache=cache,
+    )
+    cache.crop(-block)
+    hidden = out.last_hidden_state  # (1, B, H)
+    t1 = clock.now()
+    base = xpress.base_logits(hidden.to(lm_head.weight.dtype), lm_head)  # (1, n, V)
+    t2 = clock.now()
+    noise = gumbel_noise(base.shape, generator=generator, device=base.device) if do_sample else None
+    result = xpress.refine(hidden[:, 1:], base, anchor.view(1), logits_transform=logits_transform, noise=noise)
+    t3 = clock.now()
+    if stats is not None:
+        stats.time_drafter += t1 - t0
+        stats.time_lm_head += t2 - t1
+        stats.time_refiner += t3 - t2
+        stats.jacobi_iterations.append(int(result.iterations[0]))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# transformers integration
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _is_xpress(model) -> bool:
+    # Duck-typed on purpose: the package's class and the copy loaded with trust_remote_code are different objects.
+    return getattr(getattr(model, "config", None), "model_type", None) == "xpress"
+
+
+def check_assistant_call(target, xpress, input_ids: torch.Tensor, num_return_sequences: int = 1) -> None:
+    """Errors for everything xPress cannot serve, raised before any model runs."""
+    xpress.config.check_target(target.config)
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(
+            f"xPress speculative decoding runs one sequence at a time, got input_ids of shape {tuple(input_ids.shape)}. "
+            "Call generate once per prompt (or use plain target.generate for batched decoding)."
+        )
+    if num_return_sequences > 1:
+        raise ValueError(
+            f"num_return_sequences={num_return_sequences} is not supported with an xPress assistant: it decodes one "
+            "sequence per call. Call generate several times (with do_sample=True) instead."
+        )
+
+
+class XPressCandidateGenerator(CandidateGenerator):
+    """transformers `CandidateGenerator` that drafts with the xPress drafter and refiner.
+
+    It consumes the target's hidden states of its previous forward (`requires_model_outputs`): on the first call it
+    returns the prompt unchanged so that the target prefills; afterwards it drafts `block_size - 1` tokens after the
+    bonus token and returns them with the processed logits they were drawn from, so `_speculative_sampling` is
+    lossless.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, xpress, target, input_ids: torch.Tensor, generation_config, logits_processor=None):
+        check_assistant_call(target, xpress, input_ids, generation_config.num_return_sequences or 1)
+        self.xpress = xpress
+        self.layer_ids = list(xpress.config.target_layer_ids)
+        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.layer_ids]}
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.max_length = generation_config.max_length
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor
+        self.cache = DynamicCache(config=xpress.config)
+        self.context_len = 0  # committed tokens whose features are in the drafter cache
+        self.clock = WallClock(xpress.device)
+        self.stats = XPressGenerationStats()
+        xpress.generation_stats = self.stats
+        self._start = self.clock.now()
+        self._last_draft_end: float | None = None
+        self._drafted = False  # whether the step being verified carries a draft (not the prefill / a budget-0 step)
+
+    @torch.no_grad()
+    def get_candidates(
+        self, input_ids: torch.LongTensor, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        now = self.clock.now()
+        if self._last_draft_end is not None:
+            self.stats.time_verify += now - self._last_draft_end
+        self.stats.time_total = now - self._start
+        self._drafted = False
+        if is_first_iteration:
+            return input_ids, None  # the target prefills first; we need its hidden states
+        budget = min(self.xpress.config.num_draft_tokens, self.max_length - input_ids.shape[1] - 1)
+        if budget <= 0:
+            return input_ids, None  # the last token comes from the target alone; no later draft will follow
+        if model_outputs is None or model_outputs.hidden_states is None:
+            raise RuntimeError(
+                "xPress needs the target's hidden states from its previous forward, but transformers passed none. "
+                "This transformers version changed the assisted-decoding protocol; use transformers 5.24."
+            )
+        # The target's last forward started at the first token the drafter has not seen (prompt start at prefill,
+        # the previous anchor afterwards); the committed ones among them become new context.
+        anchor_pos = input_ids.shape[1] - 1
+        count = anchor_pos - self.context_len
+        features = target_features(model_outputs.hidden_states, self.layer_ids, count)
+        transform = processors_transform(self.logits_processor, input_ids)
+        result = draft_block(
+            self.xpress,
+            self.embed_tokens,
+            self.lm_head,
+            input_ids[0, -1:],
+            features.to(self.xpress.device),
+            self.context_len,
+            self.cache,
+            logits_transform=transform,
+            do_sample=self.do_sample,
+            stats=self.stats,
+            clock=self.clock,
+        )
+        self.context_len = anchor_pos
+        self._last_draft_end = self.clock.now()
+        candidates = result.tokens[:, :budget].to(input_ids.device)
+        self._drafted = True
+        return torch.cat([input_ids, candidates], dim=1), result.logits[:, :budget]
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        self.stats.new_tokens += int(num_matches) + 1
+        if self._drafted:  # τ counts verification steps of a draft only
+            self.stats.acceptance_lengths.append(int(num_matches) + 1)
+        self.stats.time_total = self.clock.now() - self._start
+
+
+@contextlib.contextmanager
+def _placeholder_mask_id(config):
+    """The native dFlash generator embeds `config.mask_token_id`; a drafter with a learned mask vector has none and
+    overwrites the mask positions itself, so any valid id serves as a placeholder while the generator is built."""
+    original = config.mask_token_id
+    if original is None:
+        config.mask_token_id = 0
+    try:
+        yield
+    finally:
+        config.mask_token_id = original
+
+
+def make_candidate_generator(target, xpress, generation_config, input_ids, logits_processor, model_kwargs):
+    """The candidate generator for an xPress assistant: ours, or transformers' native dFlash generator on our drafter
+    (refiner bypassed) when `speculation_type="dflash"`."""
+    if generation_config.speculation_type == "dflash":
+        check_assistant_call(target, xpress, input_ids, generation_config.num_return_sequences or 1)
+        with _placeholder_mask_id(xpress.config):
+            return DFlashTokenCandidateGenerator(
+                assistant_model=xpress,
+                main_model_input_embeddings=target.get_input_embeddings(),
+                main_model_output_embeddings=target.get_output_embeddings(),
+                generation_config=generation_config,
+                logits_processor=logits_processor,
+            )
+    return XPressCandidateGenerator(xpress, target, input_ids, generation_config, logits_processor)
+
+
+_HOOK_MARK = "_xpress_hook"
+_TESTED_TRANSFORMERS = "5.24"
+
+
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise RuntimeError(
+            f"xPress cannot hook into transformers {transformers.__version__}: {what}. The hook was written against "
+            f"transformers {_TESTED_TRANSFORMERS}; install that version (pip install 'transformers=={_TESTED_TRANSFORMERS}.*') "
+            "or use xpress.spec_generate(target, input_ids, ...), which does not depend on transformers internals."
+        )
+
+
+def _check_internals() -> None:
+    """Fail loudly if the private transformers API the hook relies on is not the one it was written for."""
+    for name, params in {
+        "_get_candidate_generator": {"generation_config", "input_ids", "logits_processor", "model_kwargs", "assistant_model"},
+        "_validate_generation_mode": {"generation_mode", "generation_config", "generation_mode_kwargs"},
+    }.items():
+        method = getattr(GenerationMixin, name, None)
+        _require(method is not None, f"GenerationMixin.{name} no longer exists")
+        missing = params - set(inspect.signature(method).parameters)
+        _require(not missing, f"GenerationMixin.{name} lost the parameters {sorted(missing)}")
+    _require(hasattr(CandidateGenerator, "requires_model_outputs"), "CandidateGenerator.requires_model_outputs is gone")
+    source = inspect.getsource(GenerationMixin._assisted_decoding)
+    _require(
+        "model_outputs=" in source and "model_kwargs_overrides" in source,
+        "_assisted_decoding no longer hands the target's outputs to the candidate generator",
+    )
+
+
+def install_generation_hook() -> None:
+    """Route xPress assistants through `XPressCandidateGenerator`; leave every other assistant untouched.
+
+    What it changes, and nothing else:
+
+    * `GenerationMixin._validate_generation_mode`: when the assistant is an xPress model, first checks it was built
+      for this target and that the call is single-sequence, so a mismatch fails with an xPress error instead of a
+      misleading "different tokenizers" one; then runs the original validation.
+    * `GenerationMixin._get_candidate_generator`: when the assistant is an xPress model, returns its generator;
+      otherwise calls the original method with the original arguments.
+
+    Idempotent (the wrappers are marked and installed once per process, even if the package and a trust_remote_code
+    copy are both imported). Raises `RuntimeError` if the transformers internals it relies on have changed.
+    """
+    if getattr(GenerationMixin._get_candidate_generator, _HOOK_MARK, False):
+        return
+    _check_internals()
+    original_candidates = GenerationMixin._get_candidate_generator
+    original_validate = GenerationMixin._validate_generation_mode
+
+    @functools.wraps(original_validate)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        assistant = generation_mode_kwargs.get("assistant_model")
+        if _is_xpress(assistant):
+            assistant.config.check_target(self.config)
+            if (generation_config.num_return_sequences or 1) > 1:
+                raise ValueError(
+                    f"num_return_sequences={generation_config.num_return_sequences} is not supported with an xPress "
+                    "assistant: it decodes one sequence per call. Call generate several times instead."
+                )
+        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    @functools.wraps(original_candidates)
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):  # fmt: skip
+        if _is_xpress(assistant_model):
+            return make_candidate_generator(
+                self, assistant_model, generation_config, input_ids, logits_processor, model_kwargs
+            )
+        return original_candidates(
+            self,
+            generation_config=generation_config,
+            input_ids=input_ids,
+            inputs_tensor=inputs_tensor,
+            logits_processor=logits_processor,
+            model_kwargs=model_kwargs,
+            assistant_model=assistant_model,
+            target_tokenizer=target_tokenizer,
+            assistant_tokenizer=assistant_tokenizer,
+        )
+
+    setattr(_validate_generation_mode, _HOOK_MARK, True)
+    setattr(_get_candidate_generator, _HOOK_MARK, True)
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
+    GenerationMixin._get_candidate_generator = _get_candidate_generator
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Standalone loop
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class XPressGenerateOutput:
+    sequences: torch.LongTensor  # (1, prompt + new tokens)
+    stats: XPressGenerationStats
+
+
+def _accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Longest prefix of `draft` (n,) that matches the target's argmax, plus the target's next token."""
+    choice = target_logits.argmax(dim=-1)  # (n + 1,)
+    matches = int((draft == choice[:-1]).long().cumprod(dim=0).sum())
+    return matches, choice[matches]
+
+
+def _accept_sampling(draft, q_logits, p_logits, generator) -> tuple[int, torch.Tensor]:
+    """Speculative sampling (Leviathan et al., Alg. 1): keep draft token x_k with probability min(1, p/q); at the first
+    rejection resample from norm(max(p − q, 0)); if all are kept, draw the bonus from p. Lossless for any q from which
+    the drafts were truly drawn."""
+    n = draft.shape[0]
+    if n == 0:
+        return 0, torch.multinomial(p_logits[0].softmax(dim=-1), 1, generator=generator)[0]
+    q = q_logits.softmax(dim=-1)  # (n, V)
+    p = p_logits.softmax(dim=-1)  # (n + 1, V)
+    idx = torch.arange(n, device=draft.device)
+    ratio = p[idx, draft] / q[idx, draft]
+    u = torch.rand(n, generator=generator, device=draft.device)
+    matches = int((u <= ratio).long().cumprod(dim=0).sum())
+    if matches < n:
+        residual = (p[matches] - q[matches]).clamp(min=0)
+        residual = residual / residual.sum() if residual.sum() > 0 else p[matches]
+        return matches, torch.multinomial(residual, 1, generator=generator)[0]
+    return matches, torch.multinomial(p[n], 1, generator=generator)[0]
+
+
+@torch.no_grad()
+def spec_generate(
+    xpress,
+    target,
+    input_ids: torch.LongTensor,
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_token_ids: list[int] | int | None = None,
+    generator: torch.Generator | None = None,
+) -> XPressGenerateOutput:
+    """xPress speculative decoding without `generate`: prefill, then draft → refine → verify → accept → crop.
+
+    `temperature=0` is greedy (output identical to the target's greedy decode); `temperature>0` samples losslessly
+    from the target's distribution after temperature/top-k/top-p. `stop_token_ids` (default: the target's EOS) end
+    generation after they are emitted. Returns `.sequences` (prompt included) and `.stats`; the stats are also left at
+    `xpress.generation_stats`.
+    """
+    check_assistant_call(target, xpress, input_ids)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if stop_token_ids is None:
+        stop_token_ids = target.generation_config.eos_token_id
+    stop = torch.tensor(
+        [] if stop_token_ids is None else ([stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)),
+        dtype=torch.long,
+        device=input_ids.device,
+    )
+    do_sample = temperature > 0
+    processors = sampling_processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
+    layer_ids = list(xpress.config.target_layer_ids)
+    hidden_request = [i + 1 for i in layer_ids]
+    embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    stats = XPressGenerationStats()
+    xpress.generation_stats = stats
+    clock = WallClock(input_ids.device)
+    start = clock.now()
+
+    def pick(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        logits = processors(ids, logits.float()) if processors else logits.float()
+        if not do_sample:
+            return logits.argmax(dim=-1)
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+    # Prefill: the prompt's features become the drafter's first context, and the target emits the first token.
+    target_cache = DynamicCache(config=target.config)
+    out = target(input_ids=input_ids, cache=target_cache, output_hidden_states=hidden_request, logits_to_keep=1)
+    features = target_features(out.hidden_states, layer_ids, input_ids.shape[1])
+    sequence = torch.cat([input_ids, pick(out.logits[:, -1], input_ids).view(1, 1)], dim=1)
+    draft_cache = DynamicCache(config=xpress.config)
+    context_len = 0
+    t_verify = clock.now()
+    stats.time_verify += t_verify - start
+    prompt_len = input_ids.shape[1]
+
+    while sequence.shape[1] - prompt_len < max_new_tokens and not bool(torch.isin(sequence[0, -1], stop)):
+        anchor_pos = sequence.shape[1] - 1
+        budget = min(xpress.config.num_draft_tokens, max_new_tokens - (sequence.shape[1] - prompt_len) - 1)
+        if budget > 0:
+            transform = processors_transform(processors, sequence) if processors else None
+            result = draft_block(
+                xpress, embed_tokens, lm_head, sequence[0, -1:], features.to(xpress.device), context_len, draft_cache,
+                logits_transform=transform, do_sample=do_sample, generator=generator, stats=stats, clock=clock,
+            )  # fmt: skip
+            context_len = anchor_pos
+            draft, q_logits = result.tokens[0, :budget].to(sequence.device), result.logits[0, :budget]
+        else:  # one token left: the target alone emits it
+            draft = sequence.new_empty(0)
+            q_logits = None
+
+        t0 = clock.now()
+        verify_ids = torch.cat([sequence[:, -1:], draft.view(1, -1)], dim=1)  # [anchor, d_1..d_m]
+        out = target(input_ids=verify_ids, cache=target_cache, output_hidden_states=hidden_request)
+        p_logits = out.logits[0].float()  # (m + 1, V)
+        if processors:  # temperature/top-k/top-p ignore the prefix, so all positions go in one call
+            p_logits = processors(sequence.expand(p_logits.shape[0], -1), p_logits)
+        if do_sample:
+            matches, bonus = _accept_sampling(draft, q_logits, p_logits, generator)
+        else:
+            matches, bonus = _accept_greedy(draft, p_logits)
+        accepted = torch.cat([draft[:matches], bonus.view(1)])
+        stop_at = torch.isin(accepted, stop).nonzero()
+        if stop_at.numel():
+            accepted = accepted[: int(stop_at[0]) + 1]
+        accepted = accepted[: max_new_tokens - (sequence.shape[1] - prompt_len)]
+        # Roll back: the target cache keeps the anchor and the accepted drafts; their features are the next context.
+        target_cache.crop(-(draft.shape[0] - matches))
+        features = target_features(out.hidden_states, layer_ids, matches + 1)
+        sequence = torch.cat([sequence, accepted.view(1, -1)], dim=1)
+        if draft.numel():  # τ counts verification steps of a draft only
+            stats.acceptance_lengths.append(int(accepted.shape[0]))
+        stats.time_verify += clock.now() - t0
+
+    stats.new_tokens = sequence.shape[1] - prompt_len
+    stats.time_total = clock.now() - start
+    return XPressGenerateOutput(sequences=sequence, stats=stats)
+
+
+__all__ = [
+    "XPressCandidateGenerator",
+    "XPressGenerationStats",
+    "XPressGenerateOutput",
+    "WallClock",
+    "install_generation_hook",
+    "spec_generate",
+]
