@@ -1,10 +1,20 @@
 """Side-by-side runs of plain `target.generate` and xPress speculative decoding, measured in the same process."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .generation import WallClock
+
+# The trained checkpoint bundled with the repository (issue 4), and the prompts of `make demo` and its CI test:
+# written here, in none of the training or evaluation sets.
+BUNDLED_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "xpress-smollm2-135m-instruct"
+DEMO_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "A train travels 180 km in 2 hours. What is its average speed? Explain briefly.",
+    "Give me three tips for staying focused while studying.",
+]
 
 
 @dataclass
