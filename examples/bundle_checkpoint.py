@@ -12,7 +12,6 @@ its training section from the pipeline's `training_summary.json`.
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from modeling_xpress import XPressModel
 from modeling_xpress.benchmark import DTYPES, card_rows, summarize
 from modeling_xpress.cards import render_model_card
-from modeling_xpress.hub_files import RECIPE
+from modeling_xpress.hub_files import RECIPE, with_recipe_checkpoint
 
 TARGET_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SIZE_LIMIT_MB = 50
@@ -82,8 +81,7 @@ def main() -> None:
     # The recipe bakes an absolute path of this machine; a bundled folder travels, so it names no checkpoint and
     # `custom_generate` asks for `xpress_checkpoint=` (its error says so) instead of loading a path that is not there.
     recipe = out / RECIPE
-    recipe.write_text(re.sub(r"^XPRESS_CHECKPOINT:.*$", "XPRESS_CHECKPOINT: str | None = None", recipe.read_text(),
-                             count=1, flags=re.M))  # fmt: skip
+    recipe.write_text(with_recipe_checkpoint(recipe.read_text(), None))
     order = {name: i for i, name in enumerate([*results["datasets"], "all"])}
     rows = sorted(card_rows(summarize(results)), key=lambda r: (r["temperature"], order[r["dataset"]]))  # stable
     card = render_model_card(

@@ -6,7 +6,6 @@ the trained checkpoint bundled in `checkpoints/`, loaded as a Hub user would (`A
 whose τ must also stay above a floor set well below what it measured.
 """
 
-import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from modeling_xpress import XPressConfig, XPressModel
 from modeling_xpress.assets import load_smollm2
 from modeling_xpress.benchmark import chat_prompt_ids
 from modeling_xpress.demo import BUNDLED_CHECKPOINT, DEMO_PROMPTS
-from modeling_xpress.hub_files import RECIPE
+from modeling_xpress.hub_files import RECIPE, with_recipe_checkpoint
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -75,8 +74,8 @@ def test_bundled_checkpoint_code_matches_package():
     assert shipped, f"no code files in {BUNDLED_CHECKPOINT}"
     for name in shipped:
         assert (BUNDLED_CHECKPOINT / name).read_text() == (package / name).read_text(), f"{name} is stale"
-    unbake = lambda text: re.sub(r"^XPRESS_CHECKPOINT:.*$", "", text, count=1, flags=re.M)  # noqa: E731
-    assert unbake((BUNDLED_CHECKPOINT / RECIPE).read_text()) == unbake((package / RECIPE).read_text())
+    shipped_recipe = (BUNDLED_CHECKPOINT / RECIPE).read_text()
+    assert shipped_recipe == with_recipe_checkpoint((package / RECIPE).read_text(), None)
 
 
 def test_bundled_checkpoint_is_exact_and_accepts(smollm2):

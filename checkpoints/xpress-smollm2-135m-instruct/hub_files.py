@@ -23,16 +23,23 @@ def _recipe_template(model) -> str | None:
     return None
 
 
+def with_recipe_checkpoint(recipe: str, checkpoint: str | None) -> str:
+    """The recipe's text with its `XPRESS_CHECKPOINT` line naming `checkpoint` (None: the caller must pass one)."""
+    line = "XPRESS_CHECKPOINT: str | None = None" if checkpoint is None else (
+        f"XPRESS_CHECKPOINT: str | None = {checkpoint!r}  # set by XPressModel.save_pretrained"
+    )  # fmt: skip
+    return re.sub(r"^XPRESS_CHECKPOINT:.*$", lambda _: line, recipe, count=1, flags=re.M)
+
+
 def write_hub_extras(model, folder: Path) -> None:
     """Write `custom_generate/generate.py` (pointing at `folder`) and the model card `README.md`."""
     template = _recipe_template(model)
     if template is None:
         logger.warning("custom_generate/generate.py template not found; the saved folder will not carry the recipe")
     else:
-        baked = f"XPRESS_CHECKPOINT: str | None = {str(folder.resolve())!r}  # set by XPressModel.save_pretrained"
         recipe = folder / RECIPE
         recipe.parent.mkdir(parents=True, exist_ok=True)
-        recipe.write_text(re.sub(r"^XPRESS_CHECKPOINT:.*$", lambda _: baked, template, count=1, flags=re.M))
+        recipe.write_text(with_recipe_checkpoint(template, str(folder.resolve())))
     try:
         from modeling_xpress.cards import render_model_card
     except ImportError:
