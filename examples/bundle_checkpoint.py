@@ -5,9 +5,9 @@
         --out checkpoints/xpress-smollm2-135m-instruct
 
 The weights are saved in `--dtype` (bfloat16 keeps the folder small; `from_pretrained(..., dtype=torch.float32)`
-upcasts them exactly). The card is rendered with huggingface_hub's card tools from `hub_cards/xpress_model_card.md`;
-its table is `benchmark.card_rows(summarize(results))`, recomputed from the raw records of the evaluation JSON, and
-its training section from the pipeline's `training_summary.json`.
+upcasts them exactly). The card is rendered with huggingface_hub's card tools from
+`modeling_xpress/hub_cards/xpress_model_card.md`; its table is `benchmark.card_rows(summarize(results))`, recomputed
+from the raw records of the evaluation JSON, and its training section from the pipeline's `training_summary.json`.
 """
 
 import argparse

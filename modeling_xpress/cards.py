@@ -1,13 +1,14 @@
 """Model cards for saved xPress folders, rendered with huggingface_hub's card tools from `hub_cards/`.
 
-Not shipped inside checkpoints: a model loaded with trust_remote_code alone keeps its folder's existing card.
+The template is package data (`modeling_xpress/hub_cards/`), so a wheel install renders cards too. Not shipped
+inside checkpoints: a model loaded with trust_remote_code alone keeps its folder's existing card.
 """
 
 from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-TEMPLATE = Path(__file__).resolve().parent.parent / "hub_cards" / "xpress_model_card.md"
+TEMPLATE = Path(__file__).resolve().parent / "hub_cards" / "xpress_model_card.md"
 
 _REFINERS = {
     "xpress": "causal low-rank refiner solved by parallel Jacobi iterations (xPress)",
@@ -43,7 +44,7 @@ def render_model_card(
     `evaluation_summary` (Markdown) goes above the results table: how and where the numbers were measured.
     """
     if not template.is_file():
-        raise FileNotFoundError(f"model card template {template} not found; install the package from its repository")
+        raise FileNotFoundError(f"model card template {template} not found; reinstall the modeling_xpress package")
     target = target_model or getattr(config, "target_model_name", None) or "the target model"
     card_data = ModelCardData(
         library_name="transformers",
