@@ -19,7 +19,6 @@ import torch
 from modeling_xpress import XPressModel
 from modeling_xpress.benchmark import DTYPES, card_rows, summarize
 from modeling_xpress.cards import render_model_card
-from modeling_xpress.hub_files import RECIPE, with_recipe_checkpoint
 
 TARGET_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SIZE_LIMIT_MB = 50
@@ -76,12 +75,7 @@ def main() -> None:
     results = json.loads(Path(args.results).read_text())
     summary = json.loads(Path(args.training_summary).read_text())
     out = Path(args.out)
-    model.save_pretrained(out)
-
-    # The recipe bakes an absolute path of this machine; a bundled folder travels, so it names no checkpoint and
-    # `custom_generate` asks for `xpress_checkpoint=` (its error says so) instead of loading a path that is not there.
-    recipe = out / RECIPE
-    recipe.write_text(with_recipe_checkpoint(recipe.read_text(), None))
+    model.save_pretrained(out)  # its custom_generate recipe finds the folder it runs from: nothing to rewrite
     order = {name: i for i, name in enumerate([*results["datasets"], "all"])}
     rows = sorted(card_rows(summarize(results)), key=lambda r: (r["temperature"], order[r["dataset"]]))  # stable
     card = render_model_card(

@@ -2,14 +2,21 @@
 cannot be imported, reproduces outputs, and carries the custom_generate recipe and a model card."""
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
+import modeling_xpress.custom_generate.generate as recipe_module
 from modeling_xpress import XPressModel
+from modeling_xpress.demo import BUNDLED_CHECKPOINT
+from modeling_xpress.hub_files import RECIPE
 from tests.builders import tiny_llama, tiny_xpress
 
 FRESH_PROCESS = textwrap.dedent(
@@ -60,8 +67,9 @@ def test_folder_layout(saved):
         assert (folder / name).is_file(), name
     card = (folder / "README.md").read_text()
     assert "library_name: transformers" in card and "xPress" in card and "| block size | 8 |" in card
-    recipe = (folder / "custom_generate" / "generate.py").read_text()
-    assert f"XPRESS_CHECKPOINT: str | None = {str(folder.resolve())!r}" in recipe
+    # The recipe is the package's own, naming no path: it finds the folder it runs from when it is called.
+    assert (folder / RECIPE).read_text() == (Path(recipe_module.__file__)).read_text()
+    assert str(root) not in (folder / RECIPE).read_text()
 
 
 def test_traveling_files_import_only_torch_and_transformers(saved):
@@ -107,6 +115,11 @@ def test_save_load_reproduces_outputs_in_process(saved):
     assert torch.equal(a.sequences, b.sequences) and a.stats.acceptance_lengths == b.stats.acceptance_lengths
 
 
+def loaded_drafters(target, checkpoint: str) -> dict:
+    """The drafters the recipe of `checkpoint` has loaded, by (checkpoint, device, dtype): its module-level cache."""
+    return target.load_custom_generate(checkpoint, trust_remote_code=True).__globals__["_loaded"]
+
+
 def test_custom_generate_folder_runs_xpress(saved):
     root, target, _ = saved
     ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(2))
@@ -114,10 +127,66 @@ def test_custom_generate_folder_runs_xpress(saved):
     got = target.generate(ids, max_new_tokens=25, do_sample=False, custom_generate=str(root / "xpress"),
                           trust_remote_code=True)  # fmt: skip
     assert torch.equal(got, expected)
+    drafter = loaded_drafters(target, str(root / "xpress"))[(str(root / "xpress"), "cpu", torch.float32)]
+    assert drafter.generation_stats.acceptance_lengths  # xPress really drafted
 
 
-def test_custom_generate_without_checkpoint_explains(tmp_path):
-    from modeling_xpress.custom_generate.generate import generate
+def test_custom_generate_runs_from_a_moved_folder(saved, tmp_path):
+    """A saved folder names no path of its own: moved (the original gone), the same line loads it from where it is."""
+    root, target, xpress = saved
+    xpress.save_pretrained(tmp_path / "before")
+    moved = shutil.move(tmp_path / "before", tmp_path / "after")
+    assert not (tmp_path / "before").exists()
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(3))
+    expected = target.generate(ids, max_new_tokens=25, do_sample=False)
+    got = target.generate(ids, max_new_tokens=25, do_sample=False, custom_generate=str(moved), trust_remote_code=True)
+    assert torch.equal(got, expected)
+    assert loaded_drafters(target, str(moved))[(str(moved), "cpu", torch.float32)].generation_stats.acceptance_lengths
 
-    with pytest.raises(ValueError, match="does not know which xPress checkpoint to load"):
-        generate(tiny_llama(), torch.tensor([[1, 2]]))
+
+def test_custom_generate_loads_the_repo_it_was_called_with(saved, monkeypatch):
+    """For a Hub repo id the recipe loads the drafter by that id, in the target's dtype. (No Hub here: transformers'
+    recipe download is replaced by this package's recipe, and the recipe's loader records what it was asked for.)"""
+    root, target, xpress = saved
+    requests = []
+
+    def from_pretrained(name, **kwargs):
+        requests.append((name, kwargs))
+        return XPressModel.from_pretrained(root / "xpress", dtype=kwargs["dtype"])
+
+    monkeypatch.setattr(target, "load_custom_generate", lambda name, **kwargs: recipe_module.generate)
+    monkeypatch.setattr(recipe_module, "AutoModel", SimpleNamespace(from_pretrained=from_pretrained))
+    monkeypatch.setattr(recipe_module, "_loaded", {})
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(4))
+    expected = target.generate(ids, max_new_tokens=20, do_sample=False)
+    got = target.generate(ids, max_new_tokens=20, do_sample=False, custom_generate="some-org/xpress-tiny",
+                          trust_remote_code=True)  # fmt: skip
+    assert torch.equal(got, expected)
+    assert requests == [("some-org/xpress-tiny", {"trust_remote_code": True, "dtype": target.dtype})]
+    # An explicit xpress_checkpoint= wins over the name the recipe was called with.
+    target.generate(ids, max_new_tokens=4, custom_generate="some-org/xpress-tiny", trust_remote_code=True,
+                    xpress_checkpoint="other-org/xpress")  # fmt: skip
+    assert requests[-1][0] == "other-org/xpress"
+
+
+def test_custom_generate_runs_the_bundled_checkpoint():
+    """The README's line on the bundled folder, with a random target of SmolLM2-135M's shape (the drafter checks
+    vocabulary, width and depth); greedy identity on the real target is in tests/test_real_model.py."""
+    drafter = json.loads((BUNDLED_CHECKPOINT / "config.json").read_text())
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=drafter["vocab_size"], hidden_size=drafter["target_hidden_size"], intermediate_size=64,
+        num_hidden_layers=drafter["num_target_layers"], num_attention_heads=9, num_key_value_heads=3,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )).eval()  # fmt: skip
+    ids = torch.randint(0, drafter["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(5))
+    expected = target.generate(ids, max_new_tokens=8, do_sample=False)
+    got = target.generate(ids, max_new_tokens=8, do_sample=False, custom_generate=str(BUNDLED_CHECKPOINT),
+                          trust_remote_code=True)  # fmt: skip
+    assert torch.equal(got, expected)
+
+
+def test_custom_generate_without_checkpoint_explains():
+    with pytest.raises(ValueError, match="does not know which xPress checkpoint to load") as error:
+        recipe_module.generate(tiny_llama(), torch.tensor([[1, 2]]))
+    assert "xpress_checkpoint='<folder or repo id>' or xpress_model=" in str(error.value)  # what to pass

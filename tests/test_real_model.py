@@ -18,7 +18,7 @@ from modeling_xpress import XPressConfig, XPressModel
 from modeling_xpress.assets import load_smollm2
 from modeling_xpress.benchmark import chat_prompt_ids
 from modeling_xpress.demo import BUNDLED_CHECKPOINT, DEMO_PROMPTS
-from modeling_xpress.hub_files import RECIPE, with_recipe_checkpoint
+from modeling_xpress.hub_files import RECIPE
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -74,8 +74,7 @@ def test_bundled_checkpoint_code_matches_package():
     assert shipped, f"no code files in {BUNDLED_CHECKPOINT}"
     for name in shipped:
         assert (BUNDLED_CHECKPOINT / name).read_text() == (package / name).read_text(), f"{name} is stale"
-    shipped_recipe = (BUNDLED_CHECKPOINT / RECIPE).read_text()
-    assert shipped_recipe == with_recipe_checkpoint((package / RECIPE).read_text(), None)
+    assert (BUNDLED_CHECKPOINT / RECIPE).read_text() == (package / RECIPE).read_text(), f"{RECIPE} is stale"
 
 
 def test_bundled_checkpoint_is_exact_and_accepts(smollm2):

@@ -5,7 +5,6 @@ siblings. The model card is rendered by `modeling_xpress.cards` (huggingface_hub
 installed; a model loaded with trust_remote_code alone keeps the card its folder already had.
 """
 
-import re
 from pathlib import Path
 
 from transformers.utils import logging
@@ -23,25 +22,24 @@ def _recipe_template(model) -> str | None:
     return None
 
 
-def with_recipe_checkpoint(recipe: str, checkpoint: str | None) -> str:
-    """The recipe's text with its `XPRESS_CHECKPOINT` line naming `checkpoint` (None: the caller must pass one)."""
-    line = "XPRESS_CHECKPOINT: str | None = None" if checkpoint is None else (
-        f"XPRESS_CHECKPOINT: str | None = {checkpoint!r}  # set by XPressModel.save_pretrained"
-    )  # fmt: skip
-    return re.sub(r"^XPRESS_CHECKPOINT:.*$", lambda _: line, recipe, count=1, flags=re.M)
+def write_hub_extras(model, folder: Path, repo_id: str | None = None) -> None:
+    """Write `custom_generate/generate.py` and the model card `README.md` (naming `repo_id`, else the folder).
 
-
-def write_hub_extras(model, folder: Path) -> None:
-    """Write `custom_generate/generate.py` (pointing at `folder`) and the model card `README.md`."""
+    The recipe is copied as is: it finds the folder or repo it runs from at call time, so the folder can be moved or
+    pushed to the Hub.
+    """
     template = _recipe_template(model)
     if template is None:
         logger.warning("custom_generate/generate.py template not found; the saved folder will not carry the recipe")
     else:
         recipe = folder / RECIPE
         recipe.parent.mkdir(parents=True, exist_ok=True)
-        recipe.write_text(with_recipe_checkpoint(template, str(folder.resolve())))
+        recipe.write_text(template)
     try:
         from modeling_xpress.cards import render_model_card
     except ImportError:
         return
-    render_model_card(model.config, results=getattr(model, "evaluation_results", None)).save(folder / "README.md")
+    card = render_model_card(
+        model.config, results=getattr(model, "evaluation_results", None), repo_id=repo_id or folder.resolve().name
+    )
+    card.save(folder / "README.md")
