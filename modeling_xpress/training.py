@@ -3,7 +3,8 @@
 Read top to bottom:
 
 1. `XPressTrainingArguments` — the objective's knobs on top of `TrainingArguments`.
-2. `XPressDataCollator` — pads sequences and samples random block anchors inside the responses.
+2. `XPressDataCollator` — pads sequences and samples random block anchors inside the responses (a function of the
+   seed, the epoch and the row alone, so a resumed run draws exactly the anchors of an uninterrupted one).
 3. The objective as plain functions: block layout (`block_attention_mask`, `block_position_ids`, `draft_blocks`),
    the frozen target's signals (`target_signals`), the per-distribution loss (`distribution_loss`) and the schedule
    (`position_weights`, `anchor_weight`); `XPressObjective` composes them into
@@ -21,12 +22,13 @@ import copy
 import hashlib
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.utils import ModelOutput, logging
 
@@ -43,6 +45,14 @@ DEFAULT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_pro
 LORA_CHECKPOINT_DIR = "lora_adapter"
 _BASE_FINGERPRINT_FILE = "xpress_base_fingerprint.json"
 IGNORE_INDEX = -100
+
+
+def _check_int(name: str, value, minimum: int | None = None) -> None:
+    """Raise a `ValueError` naming `name` unless `value` is an integer (not a float, not a bool) >= `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -108,8 +118,7 @@ class XPressTrainingArguments(TrainingArguments):
 
     def validate_xpress(self) -> None:
         """Raise a `ValueError` naming the first xPress field whose value cannot work."""
-        if self.anchors_per_sequence < 1:
-            raise ValueError(f"anchors_per_sequence must be >= 1, got {self.anchors_per_sequence}")
+        _check_int("anchors_per_sequence", self.anchors_per_sequence, 1)
         if self.loss_gamma is not None and not self.loss_gamma > 0:
             raise ValueError(f"loss_gamma must be > 0 (or None for 7 · block_size / 16), got {self.loss_gamma}")
         for name in ("ce_weight", "l1_weight", "consistency_weight", "anchor_weight_start", "anchor_weight_floor"):
@@ -125,14 +134,13 @@ class XPressTrainingArguments(TrainingArguments):
             )
         if self.train_mode not in TRAIN_MODES:
             raise ValueError(f"train_mode must be one of {TRAIN_MODES}, got {self.train_mode!r}")
-        if self.lora_r < 1:
-            raise ValueError(f"lora_r must be >= 1, got {self.lora_r}")
+        _check_int("lora_r", self.lora_r, 1)
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.train_mode == "lora" and not self.lora_target_modules:
             raise ValueError("lora_target_modules is empty: train_mode='lora' needs at least one drafter module")
-        if self.max_seq_length is not None and self.max_seq_length < 2:
-            raise ValueError(f"max_seq_length must be >= 2 (an anchor and its next token), got {self.max_seq_length}")
+        if self.max_seq_length is not None:
+            _check_int("max_seq_length", self.max_seq_length, 2)  # an anchor and its next token
         if self.remove_unused_columns:
             raise ValueError(
                 "remove_unused_columns=True would drop the `loss_mask` column the xPress collator needs; leave it False"
@@ -156,7 +164,12 @@ class XPressDataCollator:
 
     An anchor is a position t with `loss_mask[t] == loss_mask[t+1] == 1` (inside a response, with at least one
     response token after it). Up to `anchors_per_sequence` distinct anchors are drawn per sequence, uniformly and
-    without replacement, from a `torch.Generator` seeded with `seed`, so a run is reproducible.
+    without replacement, from a generator seeded with a hash of (`seed`, `epoch`, the row's tokens and loss mask).
+    The anchors of a row are thus a function of the row and the epoch alone, not of how many batches were collated
+    before: a resumed run (whose Trainer skips the batches already trained, for a map-style dataset without collating
+    them), dataloader workers (each with its own copy of the collator) and other processes all draw exactly the anchors
+    of an uninterrupted single-process run. `XPressTrainer` calls `set_epoch` at the start of every epoch, so a row
+    seen again gets a fresh draw. (Identical rows in one epoch get identical anchors.)
 
     Returns right-padded `input_ids` / `attention_mask` (b, T); `anchors` (b, m) positions and `anchor_mask` (b, m)
     (False on the padding slots of sequences with fewer than m anchors); `labels` (b, m, n): block position k of the
@@ -169,16 +182,34 @@ class XPressDataCollator:
     pad_token_id: int = 0
     max_length: int | None = None
     seed: int = 0
-    generator: torch.Generator = field(init=False, repr=False)
+    # The Trainer's pass over the data, part of every row's anchor seed; set by `set_epoch`.
+    epoch: int = 0
 
     def __post_init__(self):
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if self.anchors_per_sequence < 1:
-            raise ValueError(f"anchors_per_sequence must be >= 1, got {self.anchors_per_sequence}")
-        self.generator = torch.Generator().manual_seed(self.seed)
+        _check_int("block_size", self.block_size, 2)
+        _check_int("anchors_per_sequence", self.anchors_per_sequence, 1)
+        if self.max_length is not None:
+            _check_int("max_length", self.max_length, 2)
+        _check_int("seed", self.seed)
+        _check_int("epoch", self.epoch, 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the anchors of `epoch` from now on (`XPressTrainer` calls this at the start of every epoch)."""
+        _check_int("epoch", epoch, 0)
+        self.epoch = int(epoch)
+
+    def row_generator(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Generator:
+        """The generator a row's anchors are drawn from: seeded by (seed, epoch, the row's tokens and loss mask)."""
+        digest = hashlib.blake2b(f"{self.seed}:{self.epoch}:".encode(), digest_size=8)
+        digest.update(ids.cpu().numpy().tobytes())
+        digest.update(mask.cpu().numpy().tobytes())
+        return torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little"))
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        if len(features) == 0:
+            raise ValueError(
+                "XPressDataCollator got an empty batch (no rows): pass at least one row with input_ids and loss_mask"
+            )
         rows = []
         for i, row in enumerate(features):
             ids = torch.as_tensor(row["input_ids"], dtype=torch.long).flatten()
@@ -189,6 +220,11 @@ class XPressDataCollator:
                 ids, mask = ids[: self.max_length], mask[: self.max_length]
             rows.append((ids, mask))
         b, t_max = len(rows), max(len(ids) for ids, _ in rows)
+        if t_max == 0:
+            raise ValueError(
+                f"every row of this batch of {b} has 0 tokens: there is nothing to train on. Drop empty rows from the "
+                "dataset (e.g. dataset.filter(lambda row: len(row['input_ids']) > 1))"
+            )
         m, n = self.anchors_per_sequence, self.block_size - 1
 
         input_ids = torch.full((b, t_max), self.pad_token_id, dtype=torch.long)
@@ -201,7 +237,7 @@ class XPressDataCollator:
             attention_mask[i, : len(ids)] = 1
             in_response[i, : len(ids)] = mask
             eligible = (mask[:-1] & mask[1:]).nonzero().flatten()  # t with loss_mask[t] == loss_mask[t+1] == 1
-            pick = torch.randperm(len(eligible), generator=self.generator)[:m]
+            pick = torch.randperm(len(eligible), generator=self.row_generator(ids, mask))[:m]
             chosen = eligible[pick].sort().values
             anchors[i, : len(chosen)] = chosen
             anchor_mask[i, : len(chosen)] = True
@@ -587,6 +623,18 @@ def with_fresh_head(model: XPressModel, refiner: str, refiner_rank: int | None =
     return fresh
 
 
+class _AnchorEpochCallback(TrainerCallback):
+    """Tells the collator which epoch starts, so a row seen again gets new anchors. The epoch comes from the Trainer's
+    state, which a resumed run restores, so the resumed run continues the anchors of the interrupted one."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        # `state.epoch` is `epoch + fraction done`: an exact integer at an epoch's start, mid-way after a resume.
+        self.collator.set_epoch(math.floor(state.epoch))
+
+
 def _frozen_fingerprint(model: nn.Module) -> str:
     """sha256 of every frozen tensor of the LoRA-wrapped drafter: the base an adapter checkpoint is only valid on."""
     digest = hashlib.sha256()
@@ -652,9 +700,17 @@ class XPressTrainer(Trainer):
                 anchors_per_sequence=args.anchors_per_sequence,
                 pad_token_id=model.config.pad_token_id or 0,
                 max_length=args.max_seq_length,
-                # Different processes draw different anchors (their batches differ anyway; this avoids lockstep).
-                seed=args.seed + args.process_index,
+                # The same for every process: anchors depend on the row, not on which process collates it.
+                seed=args.seed,
             )
+        if hasattr(data_collator, "set_epoch"):
+            if args.dataloader_persistent_workers and args.dataloader_num_workers > 0:
+                raise ValueError(
+                    "dataloader_persistent_workers=True keeps the collator each worker copied at the first epoch, so "
+                    "set_epoch never reaches it and every epoch would train the same anchors of a row. Set "
+                    "dataloader_persistent_workers=False (workers then restart, with the new epoch, every epoch)."
+                )
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), _AnchorEpochCallback(data_collator)]
         super().__init__(
             model=objective,
             args=args,

@@ -73,16 +73,21 @@ def training_args(tmp_path, **overrides) -> XPressTrainingArguments:
     [
         ("train_mode", "adapters"),
         ("anchors_per_sequence", 0),
+        ("anchors_per_sequence", 2.5),  # integer fields take integers only: not floats ...
+        ("anchors_per_sequence", True),  # ... and not bools
         ("loss_gamma", -1.0),
         ("consistency_weight", -0.1),
         ("anchor_weight_floor", 0.9),
         ("lora_r", 0),
+        ("lora_r", 4.0),
+        ("max_seq_length", 64.5),
         ("remove_unused_columns", True),
     ],
 )
 def test_arguments_reject_bad_values_by_name(tmp_path, field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=field) as error:
         XPressTrainingArguments(output_dir=str(tmp_path), report_to=[], **{field: value})
+    assert str(value) in str(error.value)
 
 
 def test_argument_defaults_follow_the_paper(tmp_path):
@@ -121,6 +126,42 @@ def test_collator_samples_anchors_inside_responses_and_labels_block_tokens():
     again = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=6, seed=3)(rows)
     other = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=6, seed=4)(rows)
     assert torch.equal(again["anchors"], batch["anchors"]) and not torch.equal(other["anchors"], batch["anchors"])
+
+
+def test_collator_anchors_depend_only_on_seed_epoch_and_row():
+    """What makes resuming exact: on resume the Trainer skips the batches already trained (for a map-style dataset
+    without collating them), so a row's anchors must not depend on what was collated before it (nor on its batch),
+    only on the seed, epoch and row."""
+    rows = random_rows([30, 40, 35, 28], seed=5)
+    collate = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=4, seed=3)
+    first = collate(rows)
+    collate(random_rows([33, 31], seed=6))  # other batches in between ...
+    later = collate([rows[2], rows[0]])  # ... and the rows again, in another batch
+    assert first["anchor_mask"].all()  # every row has more eligible positions than anchors: they are drawn
+    assert torch.equal(later["anchors"], first["anchors"][[2, 0]])
+    collate.set_epoch(1)  # the same rows in the next epoch are trained on other blocks
+    next_epoch = collate(rows)["anchors"]
+    assert all(not torch.equal(a, b) for a, b in zip(next_epoch, first["anchors"]))
+    collate.set_epoch(0)
+    assert torch.equal(collate(rows)["anchors"], first["anchors"])
+
+
+def test_collator_rejects_batches_without_tokens_but_keeps_rows_without_anchors():
+    collate = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=4)
+    with pytest.raises(ValueError, match="empty batch"):
+        collate([])
+    with pytest.raises(ValueError, match="0 tokens.*Drop empty rows"):
+        collate([{"input_ids": [], "loss_mask": []}] * 2)
+    # Rows that are empty, one token long or without a response pair only contribute no anchor, next to real rows ...
+    odd = [{"input_ids": [], "loss_mask": []}, {"input_ids": [7], "loss_mask": [1]}, *random_rows([9], prompt=8)]
+    batch = collate(random_rows([20]) + odd)
+    assert batch["anchor_mask"].sum(1).tolist() == [4, 0, 0, 0]
+    assert batch["attention_mask"].sum(1).tolist() == [20, 0, 1, 9]
+    # ... or alone: a batch without any anchor is still a batch.
+    assert not collate(odd)["anchor_mask"].any()
+    for name, value in [("anchors_per_sequence", 2.5), ("block_size", 8.0), ("max_length", True)]:
+        with pytest.raises(ValueError, match=f"{name} must be an integer, got {value}"):
+            XPressDataCollator(**{"block_size": BLOCK, name: value})
 
 
 def test_block_attention_mask_layout():
@@ -440,43 +481,103 @@ def assert_same_optimizer_state(actual: dict, expected: dict) -> None:
             torch.testing.assert_close(actual["state"][key][name], value, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("train_mode", ["full", "lora"])
-def test_resume_continues_with_the_same_step_and_optimizer_state(tmp_path, train_mode):
-    """Sequences short enough that every eligible position is an anchor make the batches independent of the anchor
-    RNG, so an interrupted-and-resumed run must end exactly where the uninterrupted one did."""
+class RecordingTrainer(XPressTrainer):
+    """Keeps every batch it trains on (the anchors drawn for it included): what a resumed run must repeat."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches: list[dict[str, torch.Tensor]] = []
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training:
+            self.batches.append({k: inputs[k].clone() for k in ("input_ids", "attention_mask", "anchors")})
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def eligible_anchors(row) -> int:
+    mask = row["loss_mask"]
+    return sum(1 for t in range(len(mask) - 1) if mask[t] and mask[t + 1])
+
+
+def anchors_by_row(batches) -> dict[tuple, list[int]]:
+    """Row tokens → the anchors drawn for that row, over a list of batches (each row once)."""
+    drawn = {}
+    for batch in batches:
+        for ids, mask, anchors in zip(batch["input_ids"], batch["attention_mask"], batch["anchors"]):
+            drawn[tuple(ids[mask.bool()].tolist())] = anchors.tolist()
+    return drawn
+
+
+@pytest.mark.parametrize("train_mode, resume_step", [("full", 2), ("full", 4), ("lora", 4)])
+def test_resume_ends_exactly_where_the_uninterrupted_run_does(tmp_path, train_mode, resume_step):
+    """6 steps over 2 epochs of rows long enough that anchors are really sampled, interrupted at `resume_step` (mid
+    epoch 0, or mid epoch 1 after a row was seen twice) and resumed: the same step, optimizer state, batches and
+    anchors, and bitwise the same final weights as the uninterrupted run."""
     target = tiny_llama()
-    data = random_rows([12, 11, 12, 10] * 2, prompt=4)
+    data = random_rows([30, 26, 34, 28, 24, 32], prompt=4, seed=2)
+    args = dict(
+        train_mode=train_mode, lora_r=4, max_steps=6, per_device_train_batch_size=2, anchors_per_sequence=4,
+        save_strategy="steps", save_steps=2, learning_rate=1e-2,
+    )  # fmt: skip
+    assert all(eligible_anchors(row) > args["anchors_per_sequence"] for row in data)  # anchors are drawn, not all taken
 
     def run(output_dir, resume=None):
         model = tiny_xpress(target, block_size=BLOCK, randomize_head=False)
-        args = training_args(
-            output_dir, train_mode=train_mode, lora_r=4, max_steps=4, per_device_train_batch_size=2,
-            anchors_per_sequence=8, save_strategy="steps", save_steps=2, learning_rate=1e-2,
-        )  # fmt: skip
         start = RecordStart()
-        trainer = XPressTrainer(model=model, target=target, args=args, train_dataset=data, callbacks=[start])
+        trainer = RecordingTrainer(
+            model=model, target=target, args=training_args(output_dir, **args), train_dataset=data, callbacks=[start]
+        )
         trainer.train(resume_from_checkpoint=resume)
         return trainer, start
 
     straight, _ = run(tmp_path / "straight")
-    checkpoint = tmp_path / "straight" / "checkpoint-2"
+    assert len(straight.batches) == 6 and straight.state.epoch == 2.0
+    epochs = anchors_by_row(straight.batches[:3]), anchors_by_row(straight.batches[3:])
+    assert epochs[0].keys() == epochs[1].keys() and len(epochs[0]) == len(data)
+    assert all(epochs[0][row] != epochs[1][row] for row in epochs[0])  # a row seen again gets new anchors
+
+    checkpoint = tmp_path / "straight" / f"checkpoint-{resume_step}"
     resumed, start = run(tmp_path / "resumed", resume=str(checkpoint))
-    assert start.step == 2 and resumed.state.global_step == 4
+    assert start.step == resume_step and resumed.state.global_step == 6
     assert_same_optimizer_state(start.optimizer, torch.load(checkpoint / "optimizer.pt", weights_only=True))
+    assert len(resumed.batches) == 6 - resume_step
+    for got, expected in zip(resumed.batches, straight.batches[resume_step:]):
+        assert all(torch.equal(got[k], expected[k]) for k in expected)  # the same rows, anchors included
     assert_same_optimizer_state(resumed.optimizer.state_dict(), straight.optimizer.state_dict())
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+        assert torch.equal(a, b), f"{name}: max |Δ| {(a - b).abs().max().item():.3g}"
     if train_mode == "lora":
         assert (checkpoint / LORA_CHECKPOINT_DIR / "adapter_model.safetensors").is_file()
         with open(checkpoint / "config.json") as f:
             assert json.load(f)["model_type"] == "xpress"  # the checkpoint is a plain xPress folder too
         # An adapter only resumes on the base it was trained on.
         other = tiny_xpress(target, block_size=BLOCK, randomize_head=False, seed=7)
-        args = training_args(tmp_path / "other", train_mode="lora", lora_r=4, max_steps=4, per_device_train_batch_size=2)
+        other_args = training_args(tmp_path / "other", **args)
         with pytest.raises(ValueError, match="different base drafter"):
-            XPressTrainer(model=other, target=target, args=args, train_dataset=data).train(
+            XPressTrainer(model=other, target=target, args=other_args, train_dataset=data).train(
                 resume_from_checkpoint=str(checkpoint)
             )
+
+
+def test_dataloader_workers_train_on_the_anchors_of_the_main_process(tmp_path):
+    """Workers collate with their own copies of the collator; each epoch's copy carries that epoch, so 2 epochs with
+    workers train on exactly the batches (anchors included) of 2 epochs without. Persistent workers would keep the
+    first epoch's copy: refused."""
+    target = tiny_llama()
+    data = random_rows([30, 26, 34, 28], prompt=4, seed=2)
+    batches = {}
+    for workers in (0, 2):
+        model = tiny_xpress(target, block_size=BLOCK, randomize_head=False)
+        args = training_args(tmp_path, max_steps=4, per_device_train_batch_size=2, dataloader_num_workers=workers)
+        trainer = RecordingTrainer(model=model, target=target, args=args, train_dataset=data)
+        trainer.train()
+        batches[workers] = trainer.batches
+    assert len(batches[0]) == 4 and anchors_by_row(batches[0][:2]) != anchors_by_row(batches[0][2:])
+    for got, expected in zip(batches[2], batches[0], strict=True):
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+    args = training_args(tmp_path, dataloader_num_workers=2, dataloader_persistent_workers=True)
+    with pytest.raises(ValueError, match="dataloader_persistent_workers=True"):
+        XPressTrainer(model=tiny_xpress(target, block_size=BLOCK), target=target, args=args, train_dataset=data)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
