@@ -7,6 +7,8 @@ inside checkpoints: a model loaded with trust_remote_code alone keeps its folder
 from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 
 TEMPLATE = Path(__file__).resolve().parent / "hub_cards" / "xpress_model_card.md"
 
@@ -29,6 +31,17 @@ def results_markdown(results: list[dict] | None) -> str:
     return "\n".join(lines)
 
 
+def _hub_repo_id(name: str) -> str | None:
+    """`name` if it reads as a Hub repo id ("org/name"), None for a local path (card metadata wants repo ids)."""
+    if "/" not in name or Path(name).exists():
+        return None
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return name
+
+
 def render_model_card(
     config,
     *,
@@ -41,6 +54,8 @@ def render_model_card(
 ) -> ModelCard:
     """Fill `hub_cards/xpress_model_card.md` from an `XPressConfig` and optional evaluation rows.
 
+    `repo_id` is the name the card loads the checkpoint by (a Hub repo id, or the saved folder's name).
+    `target_model` defaults to `config.target_model_name` (set by `XPressConfig.from_target_config`).
     `evaluation_summary` (Markdown) goes above the results table: how and where the numbers were measured.
     """
     if not template.is_file():
@@ -50,7 +65,7 @@ def render_model_card(
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=["speculative-decoding", "xpress", "dflash", "block-diffusion"],
-        base_model=target if "/" in target else None,
+        base_model=_hub_repo_id(target),
     )
     mask = "learned vector" if config.mask_token_id is None else f"target token id {config.mask_token_id}"
     return ModelCard.from_template(

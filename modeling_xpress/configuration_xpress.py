@@ -73,6 +73,8 @@ class XPressConfig(PreTrainedConfig):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # Hub repo id or path the target was loaded from (its config's `name_or_path`); names the target in model cards.
+    target_model_name: str | None = None
 
     # --- drafter architecture (Qwen3 decoder layers) ------------------------------------------------------------
     # Drafter hidden width; must equal `target_hidden_size`.
@@ -186,6 +188,8 @@ class XPressConfig(PreTrainedConfig):
             eos_token_id=getattr(text, "eos_token_id", None),
             pad_token_id=getattr(text, "pad_token_id", None),
         )
+        if target_config.name_or_path:
+            derived["target_model_name"] = str(target_config.name_or_path)
         derived.update(overrides)
         if "target_layer_ids" not in overrides:
             derived["target_layer_ids"] = default_target_layer_ids(

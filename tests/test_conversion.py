@@ -5,10 +5,11 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from modeling_xpress import XPressModel
-from tests.builders import tiny_qwen3
+from modeling_xpress import XPressConfig, XPressModel
+from modeling_xpress.conversion import write_dflash_checkpoint
+from tests.builders import tiny_llama, tiny_qwen3, tiny_xpress
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, BLOCK, MASK_ID = 2, 64, 4, 2, 16, 96, 6, 7
 TARGET_LAYER_IDS = [1, 3]
@@ -44,20 +45,28 @@ def dflash_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return w
 
 
-def dflash_config(vocab_size: int) -> dict:
-    return {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": HIDDEN, "intermediate_size": FFN,
-        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM, "rms_norm_eps": EPS, "rope_theta": THETA, "max_position_embeddings": 512,
-        "vocab_size": vocab_size, "block_size": BLOCK, "num_target_layers": 5,
-        "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": TARGET_LAYER_IDS},
-    }  # fmt: skip
+def dflash_drafter(target, seed: int = 0) -> XPressModel:
+    """An xPress model for `target` with the geometry above whose drafter tensors are `dflash_weights(seed)`."""
+    config = XPressConfig.from_target_config(
+        target.config, num_hidden_layers=LAYERS, intermediate_size=FFN, block_size=BLOCK, mask_token_id=MASK_ID,
+        target_layer_ids=TARGET_LAYER_IDS, rms_norm_eps=EPS, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": THETA},
+    )  # fmt: skip
+    model = XPressModel(config)
+    missing, unexpected = model.load_state_dict(dflash_weights(seed), strict=False)
+    assert not unexpected and all(k.startswith("refiner.") for k in missing)
+    return model
 
 
-def write_checkpoint(folder, weights, config):
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file(weights, str(folder / "model.safetensors"))
+def write_checkpoint(folder, target, seed: int = 0, edit_weights=None, edit_config=None):
+    """A dFlash folder written by `write_dflash_checkpoint`, then (for the error tests) edited in place."""
+    write_dflash_checkpoint(dflash_drafter(target, seed), folder)
+    if edit_weights is not None:
+        weights = load_file(folder / "model.safetensors")
+        save_file(edit_weights(weights) or weights, str(folder / "model.safetensors"))
+    if edit_config is not None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(edit_config(config) or config))
     return folder
 
 
@@ -121,9 +130,44 @@ def target():
     return tiny_qwen3()  # 5 layers, hidden 64: the drafter below reads layers 1 and 3
 
 
+def test_write_dflash_checkpoint_writes_the_released_layout(tmp_path, target):
+    folder = write_checkpoint(tmp_path / "dflash", target)
+    weights = load_file(folder / "model.safetensors")
+    expected = dflash_weights()
+    assert sorted(weights) == sorted(expected)  # exactly the released tensor names: no head, no embedding, no lm_head
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": TARGET_LAYER_IDS}
+    assert (config["block_size"], config["num_target_layers"], config["rope_theta"]) == (BLOCK, 5, THETA)
+    assert (config["hidden_size"], config["num_key_value_heads"], config["head_dim"]) == (HIDDEN, KV_HEADS, HEAD_DIM)
+
+
+def test_write_dflash_checkpoint_round_trips_any_target(tmp_path):
+    """The docstring's recipe for a target with no dFlash release: written, read back, the same drafter."""
+    target = tiny_llama()
+    xpress = tiny_xpress(target, refiner="none", mask_token_id=0)
+    folder = write_dflash_checkpoint(xpress, tmp_path / "tiny-dflash")
+    loaded = XPressModel.from_dflash(folder, refiner="xpress")
+    assert loaded.config.refiner == "xpress" and torch.count_nonzero(loaded.refiner.readout.weight) == 0
+    for name, tensor in xpress.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+    for field in ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "rope_parameters"):
+        assert getattr(loaded.config, field) == getattr(xpress.config, field), field
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(xpress.spec_generate(target, ids, max_new_tokens=12).sequences,
+                       loaded.spec_generate(target, ids, max_new_tokens=12).sequences)  # fmt: skip
+
+
+def test_write_dflash_checkpoint_needs_a_mask_token(tmp_path):
+    xpress = tiny_xpress(tiny_llama(), refiner="none", mask_token_id=None)
+    with pytest.raises(ValueError, match=r"learns its own mask vector \(mask_token_id=None\)"):
+        write_dflash_checkpoint(xpress, tmp_path / "d")
+
+
 def test_from_dflash_matches_reference_forward(tmp_path, target):
     weights = dflash_weights()
-    folder = write_checkpoint(tmp_path / "dflash", weights, dflash_config(target.config.vocab_size))
+    folder = write_checkpoint(tmp_path / "dflash", target)
     model = XPressModel.from_dflash(folder).eval()
     assert model.config.target_layer_ids == TARGET_LAYER_IDS and model.config.mask_token_id == MASK_ID
     assert model.config.block_size == BLOCK and model.config.refiner == "xpress"
@@ -136,14 +180,19 @@ def test_from_dflash_matches_reference_forward(tmp_path, target):
     assert torch.count_nonzero(model.refiner.readout.weight) == 0
 
 
+def to_native_names(weights):
+    weights["encoder.fc.weight"] = weights.pop("fc.weight")
+    weights["encoder.output_norm_enc.weight"] = weights.pop("hidden_norm.weight")
+
+
+def to_flat_fields(config):
+    config.update(config.pop("dflash_config"))  # flat mask_token_id / target_layer_ids fields
+
+
 def test_from_dflash_reads_transformers_native_layout(tmp_path, target):
     weights = dflash_weights(seed=1)
-    native = {k.replace("fc.", "encoder.fc.", 1) if k.startswith("fc.") else k: v for k, v in weights.items()}
-    native["encoder.output_norm_enc.weight"] = native.pop("hidden_norm.weight")
-    config = dflash_config(target.config.vocab_size)
-    nested = config.pop("dflash_config")
-    config.update(nested)  # flat mask_token_id / target_layer_ids fields
-    folder = write_checkpoint(tmp_path / "native", native, config)
+    folder = write_checkpoint(tmp_path / "native", target, seed=1, edit_weights=to_native_names,
+                              edit_config=to_flat_fields)  # fmt: skip
     model = XPressModel.from_dflash(folder, refiner="markov").eval()
     assert model.config.refiner == "markov"
     prompt = torch.randint(0, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
@@ -152,23 +201,23 @@ def test_from_dflash_reads_transformers_native_layout(tmp_path, target):
 
 
 def test_converted_drafter_generates_exactly(tmp_path, target):
-    folder = write_checkpoint(tmp_path / "d", dflash_weights(), dflash_config(target.config.vocab_size))
-    model = XPressModel.from_dflash(folder).eval()
+    model = XPressModel.from_dflash(write_checkpoint(tmp_path / "d", target)).eval()
     ids = torch.randint(0, target.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
     expected = target.generate(ids, max_new_tokens=20, do_sample=False)
     assert torch.equal(target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=model), expected)
 
 
 def test_missing_and_misshapen_tensors_are_named(tmp_path, target):
-    config = dflash_config(target.config.vocab_size)
-    weights = dflash_weights()
-    del weights["layers.1.mlp.up_proj.weight"]
+    def drop_up_proj(weights):
+        del weights["layers.1.mlp.up_proj.weight"]
+
+    def narrow_fc(weights):
+        weights["fc.weight"] = weights["fc.weight"][:, :64].contiguous()
+
     with pytest.raises(ValueError, match=r"missing tensors: \['layers.1.mlp.up_proj.weight'\]"):
-        XPressModel.from_dflash(write_checkpoint(tmp_path / "a", weights, config))
-    weights = dflash_weights()
-    weights["fc.weight"] = weights["fc.weight"][:, :64].contiguous()
-    with pytest.raises(ValueError, match=r"misshapen tensors: fc.weight: checkpoint \(64, 64\) vs expected \(64, 128\)"):
-        XPressModel.from_dflash(write_checkpoint(tmp_path / "b", weights, config))
+        XPressModel.from_dflash(write_checkpoint(tmp_path / "a", target, edit_weights=drop_up_proj))
+    with pytest.raises(ValueError, match=r"misshapen tensors: fc.weight: checkpoint \(64, 64\) vs expected \(64, 128"):
+        XPressModel.from_dflash(write_checkpoint(tmp_path / "b", target, edit_weights=narrow_fc))
 
 
 def test_missing_files_and_fields_are_explained(tmp_path, target):
@@ -177,14 +226,23 @@ def test_missing_files_and_fields_are_explained(tmp_path, target):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         XPressModel.from_dflash(tmp_path / "empty")
-    (tmp_path / "noweights").mkdir()
-    (tmp_path / "noweights" / "config.json").write_text(json.dumps(dflash_config(96)))
+    folder = write_checkpoint(tmp_path / "noweights", target)
+    (folder / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="has no weights"):
-        XPressModel.from_dflash(tmp_path / "noweights")
-    config = dflash_config(target.config.vocab_size)
-    config["dflash_config"].pop("mask_token_id")
+        XPressModel.from_dflash(folder)
+
+    def drop_mask(config):
+        config["dflash_config"].pop("mask_token_id")
+
     with pytest.raises(ValueError, match="has no mask_token_id"):
-        XPressModel.from_dflash(write_checkpoint(tmp_path / "nomask", dflash_weights(), config))
+        XPressModel.from_dflash(write_checkpoint(tmp_path / "nomask", target, edit_config=drop_mask))
     # ...and the fix the message suggests works.
     model = XPressModel.from_dflash(tmp_path / "nomask", mask_token_id=MASK_ID)
     assert model.config.mask_token_id == MASK_ID
+
+
+def test_an_xpress_checkpoint_is_not_read_as_dflash(tmp_path, target):
+    tiny_xpress(target).save_pretrained(tmp_path / "xpress")
+    with pytest.raises(ValueError, match="is an xPress checkpoint") as error:
+        XPressModel.from_dflash(tmp_path / "xpress")
+    assert f"AutoModel.from_pretrained({str(tmp_path / 'xpress')!r}, trust_remote_code=True)" in str(error.value)

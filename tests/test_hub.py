@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import modeling_xpress.custom_generate.generate as recipe_module
@@ -70,6 +71,23 @@ def test_folder_layout(saved):
     # The recipe is the package's own, naming no path: it finds the folder it runs from when it is called.
     assert (folder / RECIPE).read_text() == (Path(recipe_module.__file__)).read_text()
     assert str(root) not in (folder / RECIPE).read_text()
+
+
+def test_card_names_the_target_and_the_folder(saved, tmp_path):
+    """The card of a drafter built for a loaded target names that target and the saved folder: no placeholders."""
+    root, _, _ = saved
+    target = LlamaForCausalLM.from_pretrained(root / "target")
+    tiny_xpress(target).save_pretrained(tmp_path / "my-xpress")
+    card = ModelCard.load(tmp_path / "my-xpress" / "README.md")
+    assert f"drafter for `{root / 'target'}`" in card.text and "the target model" not in card.text
+    assert 'AutoModel.from_pretrained("my-xpress", trust_remote_code=True)' in card.text
+    assert "<this-repo>" not in card.text and "<your-org>" not in card.text
+    assert card.data.base_model is None  # a local path is no Hub repo id
+    target.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"  # as if loaded from the Hub
+    tiny_xpress(target).save_pretrained(tmp_path / "from-hub")
+    card = ModelCard.load(tmp_path / "from-hub" / "README.md")
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert 'AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")' in card.text
 
 
 def test_traveling_files_import_only_torch_and_transformers(saved):

@@ -1,4 +1,6 @@
 """Build an xPress model from a released dFlash drafter checkpoint (SPEC §2); the correction head starts fresh.
+`write_dflash_checkpoint` writes an xPress drafter back in the released layout, e.g. a small folder for any target
+to try `from_dflash` on.
 
 Two source layouts are read:
 
@@ -16,7 +18,7 @@ import os
 from pathlib import Path
 
 import torch
-from transformers.modeling_utils import load_state_dict
+from transformers.modeling_utils import load_state_dict, safe_save_file
 from transformers.utils import logging
 
 from .configuration_xpress import XPressConfig
@@ -25,6 +27,11 @@ logger = logging.get_logger(__name__)
 
 _RENAMES = (("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."))
 _IGNORED_PREFIXES = ("embed_tokens.", "lm_head.")  # the drafter uses the target's own tables
+
+
+def _drafter_state(model) -> dict[str, torch.Tensor]:
+    """The tensors a dFlash checkpoint holds: the drafter's, without the correction head or a learned mask vector."""
+    return {k: v for k, v in model.state_dict().items() if not k.startswith("refiner.") and k != "mask_embedding"}
 
 
 def _read_config(folder: Path) -> dict:
@@ -116,10 +123,16 @@ def load_dflash(cls, path: str | os.PathLike, **overrides):
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"dFlash checkpoint folder {folder} does not exist")
-    config = dflash_config_to_xpress(_read_config(folder), **overrides)
-    model = cls(config)
+    raw = _read_config(folder)
+    if raw.get("model_type") == XPressConfig.model_type:
+        raise ValueError(
+            f"{folder} is an xPress checkpoint (config.json has model_type 'xpress'), not a dFlash drafter: load it "
+            f"with AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True) or "
+            f"XPressModel.from_pretrained({str(folder)!r})"
+        )
+    model = cls(dflash_config_to_xpress(raw, **overrides))
     state = _normalise_names(_read_weights(folder))
-    expected = {k: v.shape for k, v in model.state_dict().items() if not k.startswith("refiner.") and k != "mask_embedding"}
+    expected = {k: v.shape for k, v in _drafter_state(model).items()}
     missing = sorted(set(expected) - set(state))
     misshapen = [f"{k}: checkpoint {tuple(state[k].shape)} vs expected {tuple(s)}" for k, s in expected.items() if k in state and state[k].shape != s]
     unexpected = sorted(set(state) - set(expected))
@@ -140,4 +153,58 @@ def load_dflash(cls, path: str | os.PathLike, **overrides):
     return model
 
 
-__all__ = ["load_dflash", "dflash_config_to_xpress"]
+def write_dflash_checkpoint(model, path: str | os.PathLike) -> Path:
+    """Write `model`'s drafter (an `XPressModel`) as a dFlash checkpoint folder in the released layout.
+
+    The folder holds a Qwen3-style `config.json` with `architectures: ["DFlashDraftModel"]`, `block_size`,
+    `num_target_layers` and `dflash_config: {mask_token_id, target_layer_ids}`, and `model.safetensors` with
+    `layers.*`, `norm.weight`, `fc.weight`, `hidden_norm.weight`. The correction head is not part of that layout and is
+    not written; `XPressModel.from_dflash(path)` reads the drafter back exactly, with a fresh head. A small folder for
+    any target, to try `from_dflash` on:
+
+        config = XPressConfig.from_target_config(target.config, num_hidden_layers=1, mask_token_id=0)
+        write_dflash_checkpoint(XPressModel(config), "tiny-dflash")
+        xpress = XPressModel.from_dflash("tiny-dflash", refiner="xpress")
+
+    dFlash marks masked positions with a target token, so the model needs `config.mask_token_id`.
+    """
+    config = model.config
+    if config.mask_token_id is None:
+        raise ValueError(
+            "The dFlash layout marks masked positions with a target token id, but this drafter learns its own mask "
+            "vector (mask_token_id=None). Build it with mask_token_id=<a token id of the target> to write it as dFlash."
+        )
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": config.attention_bias,
+        "rope_parameters": dict(config.rope_parameters),
+        "rope_theta": config.rope_parameters.get("rope_theta"),  # older readers take the flat field
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": False,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)},
+    }
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    state = {name: tensor.detach().contiguous() for name, tensor in _drafter_state(model).items()}
+    safe_save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+__all__ = ["load_dflash", "dflash_config_to_xpress", "write_dflash_checkpoint"]
