@@ -596,10 +596,11 @@ def run_example(monkeypatch, *argv: str) -> None:
 
 
 def test_example_script_converts_a_dflash_checkpoint_then_continues_from_its_own_output(tmp_path, monkeypatch):
-    from tests.test_conversion import dflash_config, dflash_weights, write_checkpoint
+    from tests.test_conversion import write_checkpoint
 
-    tiny_qwen3().save_pretrained(tmp_path / "target")
-    write_checkpoint(tmp_path / "dflash", dflash_weights(), dflash_config(96))
+    target = tiny_qwen3()
+    target.save_pretrained(tmp_path / "target")
+    write_checkpoint(tmp_path / "dflash", target)
     datasets.Dataset.from_list(random_rows([30, 25, 40, 33])).to_parquet(str(tmp_path / "data.parquet"))
     common = ["--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.parquet"), "--refiner_rank", "8"]
 
