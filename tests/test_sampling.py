@@ -40,7 +40,7 @@ def exact_distribution(target, processors: LogitsProcessorList) -> dict[tuple[in
     with torch.no_grad():
         logits = target(inputs).logits[:, PROMPT.shape[1] - 1 : -1].float()  # (S, L, V) predicting each new token
     s, l, v = logits.shape
-    if processors:  # temperature / top-k ignore the prefix
+    if processors:  # temperature / top-k / top-p ignore the prefix
         logits = processors(inputs[:1].expand(s * l, -1), logits.reshape(s * l, v)).reshape(s, l, v)
     logp = logits.log_softmax(-1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1).sum(-1)
     return {tuple(seq.tolist()): float(p) for seq, p in zip(seqs, logp.exp())}
@@ -69,12 +69,12 @@ def chi_square_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
-def draw_with_spec_generate(xpress, target, temperature=1.0, top_k=None, seed=0) -> list[tuple[int, ...]]:
+def draw_with_spec_generate(xpress, target, temperature=1.0, top_k=None, top_p=None, seed=0) -> list[tuple[int, ...]]:
     generator = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(DRAWS):
         seq = xpress.spec_generate(target, PROMPT, max_new_tokens=LENGTH, temperature=temperature, top_k=top_k,
-                                   stop_token_ids=[], generator=generator).sequences  # fmt: skip
+                                   top_p=top_p, stop_token_ids=[], generator=generator).sequences  # fmt: skip
         out.append(tuple(seq[0, PROMPT.shape[1] :].tolist()))
     return out
 
@@ -92,10 +92,23 @@ def test_spec_generate_sampling_is_lossless(target, refiner):
     assert xpress.generation_stats is not None
 
 
-def test_lossless_with_temperature_and_top_k(target):
-    xpress = make_xpress(target, "xpress")
+@pytest.mark.parametrize("refiner", ["xpress", "markov"])
+def test_lossless_with_temperature_and_top_k(target, refiner):
+    xpress = make_xpress(target, refiner)
     samples = draw_with_spec_generate(xpress, target, temperature=0.7, top_k=2, seed=1)
     exact = exact_distribution(target, sampling_processors(0.7, 2, None))
+    assert chi_square_pvalue(samples, exact) > ALPHA
+
+
+@pytest.mark.parametrize("refiner", ["xpress", "markov"])
+def test_lossless_with_top_p(target, refiner):
+    """top-p cuts a support that depends on each position's distribution; q and p are cut by the same warper."""
+    xpress = make_xpress(target, refiner)
+    processors = sampling_processors(1.0, None, 0.8)
+    exact = exact_distribution(target, processors)
+    assert sum(p == 0 for p in exact.values()) > 0  # the cut is not a no-op: some continuations become impossible
+    samples = draw_with_spec_generate(xpress, target, top_p=0.8, seed=3)
+    assert all(exact[s] > 0 for s in samples)
     assert chi_square_pvalue(samples, exact) > ALPHA
 
 
