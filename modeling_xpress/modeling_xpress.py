@@ -337,10 +337,17 @@ class XPressModel(XPressPreTrainedModel):
         target features of tokens not yet in `cache`. position_ids: (b, c + q). attention_mask: see
         `_attention_mask`. cache: receives K/V of `[context ; block]`; the caller crops the block afterwards.
         Returns `last_hidden_state` (b, q, H) after the final norm (what the target's lm_head reads).
+
+        dtype: the drafter computes in its own dtype (the one it was loaded in); inputs are cast to it, and the output
+        comes back in the dtype of `noise_embeds` (the target's embeddings), so a bfloat16 drafter serves a float32
+        target and vice versa.
         """
         kwargs.pop("past_key_values", None)
-        hidden = self._use_own_mask(noise_embeds)
-        context = self.project_context(context_hidden_states) if context_hidden_states is not None else None
+        out_dtype, dtype = noise_embeds.dtype, self.fc.weight.dtype
+        hidden = self._use_own_mask(noise_embeds.to(dtype))
+        context = None
+        if context_hidden_states is not None:
+            context = self.project_context(context_hidden_states.to(dtype))
         new_tokens = hidden.shape[1] + (0 if context is None else context.shape[1])
         if position_ids is None:
             start = cache.get_seq_length() if cache is not None else 0
@@ -352,7 +359,7 @@ class XPressModel(XPressPreTrainedModel):
         cos, sin = self.rotary_emb(hidden, position_ids)
         for layer in self.layers:
             hidden = layer(hidden, context, cos, sin, mask, cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden).to(out_dtype), cache=cache)
 
     def base_logits(self, last_hidden_state: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Drafter logits s_k for the draft positions of one block: (b, B, H) → (b, n, V) via the target's lm_head."""

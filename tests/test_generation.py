@@ -292,3 +292,203 @@ def test_model_never_stores_target_tables():
     names = [n for n, _ in xpress.named_parameters()]
     assert not any("embed_tokens" in n or "lm_head" in n for n in names)
     assert isinstance(xpress, XPressModel)
+
+
+# --- logits processors, inputs and targets generate() accepts -------------------------------------------------------
+
+# Every processor transformers applies in assisted decoding, alone and combined. Greedy cases must reproduce the
+# target's own processed greedy output; sampled cases must run and honour what their processors guarantee.
+PROCESSOR_CASES = {
+    "temperature": dict(do_sample=True, temperature=0.7),
+    "top_k": dict(do_sample=True, top_k=5),
+    "top_p": dict(do_sample=True, top_p=0.8),
+    "top_k_1": dict(do_sample=True, top_k=1),  # sampling from a one-token support: must equal greedy
+    "repetition_penalty": dict(do_sample=False, repetition_penalty=1.3),
+    "no_repeat_ngram_size": dict(do_sample=False, no_repeat_ngram_size=2),
+    "combined": dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2, no_repeat_ngram_size=3),
+}
+
+
+def spec_kwargs(case: dict) -> dict:
+    """The same settings for spec_generate (temperature 0 = greedy)."""
+    kwargs = {k: v for k, v in case.items() if k != "do_sample"}
+    kwargs["temperature"] = case.get("temperature", 1.0) if case["do_sample"] else 0.0
+    return kwargs
+
+
+def has_repeated_ngram(tokens: list[int], n: int) -> bool:
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(grams) != len(set(grams))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+@pytest.mark.parametrize("entry", ["generate", "spec_generate"])
+@pytest.mark.parametrize("case", list(PROCESSOR_CASES))
+@pytest.mark.parametrize("refiner", REFINERS)
+def test_every_head_runs_every_logits_processor(llama, refiner, case, entry):
+    settings = PROCESSOR_CASES[case]
+    xpress = tiny_xpress(llama, refiner=refiner)
+    ids = prompts(llama.config.vocab_size)[0]
+    torch.manual_seed(0)
+    if entry == "generate":
+        # top_k=None: generate's default top_k=50 would add a processor the case does not name
+        got = llama.generate(ids, max_new_tokens=30, assistant_model=xpress, **({"top_k": None} | settings))
+    else:
+        got = xpress.spec_generate(llama, ids, max_new_tokens=30, stop_token_ids=[], generator=torch.Generator().manual_seed(0),
+                                   **spec_kwargs(settings)).sequences  # fmt: skip
+    assert got.shape == (1, ids.shape[1] + 30) and int(got.max()) < llama.config.vocab_size
+    assert xpress.generation_stats.acceptance_lengths
+    greedy_settings = {k: v for k, v in settings.items() if k in ("repetition_penalty", "no_repeat_ngram_size")}
+    if not settings["do_sample"] or case == "top_k_1":
+        expected = llama.generate(ids, max_new_tokens=30, do_sample=False, **greedy_settings)
+        assert torch.equal(got, expected)
+    if "no_repeat_ngram_size" in settings:
+        assert not has_repeated_ngram(got[0].tolist(), settings["no_repeat_ngram_size"])
+
+
+def test_sliding_window_target_greedy_identity():
+    """A target whose cache keeps only a window must still be rolled back exactly past the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    target = MistralForCausalLM(config).eval()
+    for refiner in REFINERS:
+        xpress = tiny_xpress(target, refiner=refiner)
+        for ids in prompts(96, n=2, seed=3):
+            expected = target.generate(ids, max_new_tokens=40, do_sample=False)
+            assert torch.equal(xpress.spec_generate(target, ids, max_new_tokens=40).sequences, expected)
+            assert torch.equal(target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=xpress), expected)
+            assert ids.shape[1] + 40 > 2 * config.sliding_window  # the window was really passed
+
+
+def test_bfloat16_drafter_serves_float32_target(llama):
+    """The drafter computes in its own dtype: a bf16 checkpoint next to an fp32 target works through every entry."""
+    ids = prompts(llama.config.vocab_size)[1]
+    expected = llama.generate(ids, max_new_tokens=30, do_sample=False)
+    for refiner in REFINERS:
+        xpress = tiny_xpress(llama, refiner=refiner).to(torch.bfloat16)
+        assert xpress.dtype == torch.bfloat16 and llama.dtype == torch.float32
+        assert torch.equal(llama.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=xpress), expected)
+        assert torch.equal(
+            llama.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=xpress, speculation_type="dflash"),
+            expected,
+        )
+        assert torch.equal(xpress.spec_generate(llama, ids, max_new_tokens=30).sequences, expected)
+        embeds = xpress.embed_blocks(ids[:, -1:], llama.get_input_embeddings())
+        assert xpress(noise_embeds=embeds).last_hidden_state.dtype == torch.float32  # back in the target's dtype
+
+
+def test_spec_generate_takes_a_tokenizer_output(llama):
+    tokenizer = tiny_tokenizer(llama.config.vocab_size)
+    inputs = tokenizer("t5 t17 t3 t44 t9", return_tensors="pt")
+    xpress = tiny_xpress(llama)
+    expected = llama.generate(**inputs, max_new_tokens=20, do_sample=False)
+    assert torch.equal(xpress.spec_generate(llama, **inputs, max_new_tokens=20).sequences, expected)
+    padded = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"].clone()}
+    padded["attention_mask"][0, 0] = 0
+    with pytest.raises(ValueError, match="must be all ones over input_ids"):
+        xpress.spec_generate(llama, **padded, max_new_tokens=5)
+
+
+def test_stop_token_ids_accept_tensors_and_numpy_integers(llama):
+    import numpy as np
+
+    ids = prompts(llama.config.vocab_size)[1]
+    free_run = llama.generate(ids, max_new_tokens=30, do_sample=False)[0, ids.shape[1] :]
+    eos = int(free_run[5])
+    xpress = tiny_xpress(llama)
+    expected = xpress.spec_generate(llama, ids, max_new_tokens=30, stop_token_ids=eos).sequences
+    assert expected.shape[1] < ids.shape[1] + 30  # the stop token really stopped it
+    for stop in (torch.tensor(eos), np.int64(eos), torch.tensor([eos]), [eos], (eos,)):
+        assert torch.equal(xpress.spec_generate(llama, ids, max_new_tokens=30, stop_token_ids=stop).sequences, expected)
+    with pytest.raises(ValueError, match="stop_token_ids must be integer token ids"):
+        xpress.spec_generate(llama, ids, max_new_tokens=5, stop_token_ids=[1.5])
+
+
+def test_beam_search_with_an_xpress_assistant_is_refused(llama):
+    xpress = tiny_xpress(llama)
+    ids = prompts(llama.config.vocab_size)[0]
+    with pytest.raises(ValueError, match="num_beams=2 is not supported with an xPress assistant"):
+        llama.generate(ids, max_new_tokens=5, num_beams=2, assistant_model=xpress)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.5), "temperature must be a finite number >= 0.*-0.5"),
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0.*nan"),
+        (dict(temperature=0.7, top_p=1.5), r"top_p must be None or a number in \(0, 1\].*1.5"),
+        (dict(temperature=0.7, top_p=0.0), r"top_p must be None or a number in \(0, 1\].*0.0"),
+        (dict(temperature=0.7, top_k=-1), "top_k must be None or an integer >= 0.*-1"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be None or a finite number > 0.*0.0"),
+        (dict(no_repeat_ngram_size=-2), "no_repeat_ngram_size must be None or an integer >= 0.*-2"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1.*0"),
+        (dict(max_new_tokens=2.5), "max_new_tokens must be an integer >= 1.*2.5"),
+    ],
+)
+def test_spec_generate_names_bad_values(llama, kwargs, message):
+    xpress = tiny_xpress(llama)
+    with pytest.raises(ValueError, match=message):
+        xpress.spec_generate(llama, prompts(96)[0], **({"max_new_tokens": 5} | kwargs))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(target_layer_ids=[1.7, 2.2]), r"target_layer_ids must be integer layer indices, got \[1.7, 2.2\]"),
+        (dict(mask_token_id=3.5), "mask_token_id must be an integer token id.*3.5"),
+        (dict(mask_token_id=True), "mask_token_id must be an integer token id.*True"),
+        (dict(block_size=8.0), "block_size must be an integer, got 8.0"),
+        (dict(refiner_rank=True), "refiner_rank must be an integer, got True"),
+    ],
+)
+def test_config_names_non_integer_values(llama, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        XPressConfig.from_target_config(llama.config, num_hidden_layers=2, **overrides)
+
+
+def test_timing_adds_no_device_synchronisation(llama, monkeypatch):
+    """On a GPU, section times come from CUDA events read after generation: the loop itself never synchronises.
+    Simulated on CPU with stand-in events: every mark is an event, and `torch.cuda.synchronize` is never called."""
+    clock = iter(range(10**6))
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.time = None
+
+        def record(self, stream=None):
+            self.time = next(clock)  # one "millisecond" per mark
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return float(end.time - self.time)
+
+    def forbidden():
+        raise AssertionError("generation synchronised the device")
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+    monkeypatch.setattr(xgen.SectionTimer, "__init__", lambda self, device: setattr(self, "cuda", True))
+    xpress = tiny_xpress(llama)
+    ids = prompts(llama.config.vocab_size)[0]
+    for run in ("generate", "spec_generate"):
+        if run == "generate":
+            llama.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=xpress)
+        else:
+            xpress.spec_generate(llama, ids, max_new_tokens=20)
+        stats = xpress.generation_stats
+        blocks = len(stats.jacobi_iterations)
+        # each drafted block has three consecutive marks one "ms" apart: drafter, lm_head, refiner
+        assert stats.time_drafter == stats.time_lm_head == stats.time_refiner == pytest.approx(blocks * 1e-3)
+        assert stats.time_verify > 0 and stats.time_total >= stats.time_drafter + stats.time_verify

@@ -7,12 +7,23 @@ and names the bad value. Target-dependent fields are best derived with `XPressCo
 This file travels with every saved checkpoint, so it imports only torch/transformers.
 """
 
+import numbers
 from typing import Any
 
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 REFINER_TYPES = ("xpress", "markov", "none")
+# Fields that must hold whole numbers (a float such as 2.5 would be truncated, or fail deep inside torch, later).
+_INTEGER_FIELDS = (
+    "vocab_size", "target_hidden_size", "num_target_layers", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "block_size", "refiner_rank",
+    "jacobi_max_iters",
+)  # fmt: skip
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -119,12 +130,15 @@ class XPressConfig(PreTrainedConfig):
         if self.target_layer_ids is None and self.num_target_layers and self.num_hidden_layers:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         if self.target_layer_ids is not None:
-            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+            self.target_layer_ids = list(self.target_layer_ids)
         super().__post_init__(**kwargs)
         self.validate_xpress()
 
     def validate_xpress(self) -> None:
         """Raise a `ValueError` naming the first field whose value cannot work."""
+        for name in _INTEGER_FIELDS:
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.refiner not in REFINER_TYPES:
             raise ValueError(f"refiner must be one of {REFINER_TYPES}, got {self.refiner!r}")
         if self.block_size < 2:
@@ -146,11 +160,18 @@ class XPressConfig(PreTrainedConfig):
             )
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty: the drafter needs at least one target layer as context")
+        not_int = [i for i in self.target_layer_ids if not _is_int(i)]
+        if not_int:
+            raise ValueError(f"target_layer_ids must be integer layer indices, got {not_int} in {self.target_layer_ids}")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad:
             raise ValueError(
                 f"target_layer_ids {bad} are out of range for a target with num_target_layers="
                 f"{self.num_target_layers} (valid: 0..{self.num_target_layers - 1})"
+            )
+        if self.mask_token_id is not None and not _is_int(self.mask_token_id):
+            raise ValueError(
+                f"mask_token_id must be an integer token id (or None for a learned mask vector), got {self.mask_token_id!r}"
             )
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(

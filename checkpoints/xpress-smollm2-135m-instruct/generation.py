@@ -14,6 +14,8 @@ This file travels with every saved checkpoint; it imports only torch, transforme
 import contextlib
 import functools
 import inspect
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +23,13 @@ import torch
 import transformers
 from transformers import DynamicCache, GenerationMixin, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator, DFlashTokenCandidateGenerator
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from .refinement import RefinementResult, gumbel_noise
 
@@ -30,20 +38,49 @@ from .refinement import RefinementResult, gumbel_noise
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+SECTIONS = ("drafter", "lm_head", "refiner", "verify")
+
+
+def _elapsed(start, end) -> float:
+    """Seconds between two marks of a `SectionTimer`: perf_counter floats, or CUDA events (waits for the end event)."""
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 @dataclass
 class XPressGenerationStats:
-    """What one generation call measured. τ counts tokens committed per target verification, bonus included."""
+    """What one generation call measured. τ counts tokens committed per target verification, bonus included.
+
+    Section times (seconds) are read as `time_drafter`, `time_lm_head`, `time_refiner` (Jacobi / Markov serial decode /
+    plain argmax, including drawing the block's Gumbel noise when sampling), `time_verify` (spec_generate: target
+    verification and acceptance; generate: the time between two draft calls, i.e. transformers' verification step)
+    and `time_total`. On a GPU they come from CUDA events that are only waited for when a time is read, so measuring
+    adds no synchronisation to generation.
+    """
 
     acceptance_lengths: list[int] = field(default_factory=list)  # per verification step, 1 ≤ τ_step ≤ block_size
     jacobi_iterations: list[int] = field(default_factory=list)  # refiner passes per drafted block
-    time_drafter: float = 0.0  # seconds in the drafter forward
-    time_lm_head: float = 0.0  # seconds in the target lm_head readout of the drafter
-    time_refiner: float = 0.0  # seconds in refinement (Jacobi / Markov serial decode / plain argmax), including
-    # drawing the block's Gumbel noise when sampling
-    time_verify: float = 0.0  # seconds in target verification and acceptance (spec_generate: exact; generate: the
-    # time between two draft calls, i.e. transformers' verification step)
-    time_total: float = 0.0
     new_tokens: int = 0
+    _spans: dict[str, list] = field(default_factory=lambda: {name: [] for name in SECTIONS}, repr=False)
+    _total: tuple | None = field(default=None, repr=False)
+
+    def record(self, section: str, start, end) -> None:
+        """Charge the span between two `SectionTimer` marks to `section` (one of `SECTIONS`)."""
+        self._spans[section].append((start, end))
+
+    def record_total(self, start, end) -> None:
+        self._total = (start, end)
+
+    def seconds(self, section: str) -> float:
+        return sum(_elapsed(start, end) for start, end in self._spans[section])
+
+    time_drafter = property(lambda self: self.seconds("drafter"))
+    time_lm_head = property(lambda self: self.seconds("lm_head"))
+    time_refiner = property(lambda self: self.seconds("refiner"))
+    time_verify = property(lambda self: self.seconds("verify"))
+    time_total = property(lambda self: 0.0 if self._total is None else _elapsed(*self._total))
 
     @property
     def mean_tau(self) -> float:
@@ -59,19 +96,35 @@ class XPressGenerationStats:
             "mean_tau": self.mean_tau,
             "jacobi_iterations": list(self.jacobi_iterations),
             "mean_jacobi_iterations": self.mean_jacobi_iterations,
-            "time_drafter": self.time_drafter,
-            "time_lm_head": self.time_lm_head,
-            "time_refiner": self.time_refiner,
-            "time_verify": self.time_verify,
+            **{f"time_{name}": self.seconds(name) for name in SECTIONS},
             "time_total": self.time_total,
             "new_tokens": self.new_tokens,
         }
 
 
-class WallClock:
-    """Wall-clock sections; synchronises CUDA so GPU work is charged to the section that launched it."""
+class SectionTimer:
+    """Marks for timing the sections of generation without adding device synchronisations.
 
-    def __init__(self, device: torch.device):
+    On CPU a mark is `time.perf_counter()`. On CUDA it is an event recorded on the current stream, so the GPU work
+    launched between two marks is what their span measures; nothing waits for it until the statistics are read.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+
+class WallClock:
+    """End-to-end wall clock for benchmarks: synchronises CUDA, so a span covers the GPU work launched inside it.
+    Generation itself uses `SectionTimer`, which never synchronises."""
+
+    def __init__(self, device: torch.device | str):
         self.cuda = torch.device(device).type == "cuda"
 
     def now(self) -> float:
@@ -119,6 +172,85 @@ def sampling_processors(temperature: float, top_k: int | None, top_p: float | No
     return processors
 
 
+# Processors whose output does not depend on the token prefix: verification can process all positions in one call.
+_PREFIX_FREE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+
+def process_verification_logits(
+    processors: LogitsProcessorList, sequence: torch.Tensor, draft: torch.Tensor, logits: torch.Tensor
+) -> torch.Tensor:
+    """The target's processed logits at the verification positions: logits (m + 1, V) after `sequence` (1, L) and
+    the drafts (m,); position j is processed as transformers does, with the prefix `sequence + draft[:j]`."""
+    if not processors:
+        return logits
+    if all(isinstance(p, _PREFIX_FREE) for p in processors):
+        return processors(sequence.expand(logits.shape[0], -1), logits)
+    ids, length = torch.cat([sequence, draft.view(1, -1)], dim=1), sequence.shape[1]
+    return torch.cat([processors(ids[:, : length + j], logits[j : j + 1]) for j in range(logits.shape[0])])
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_decoding_arguments(
+    max_new_tokens, temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size
+) -> None:
+    """`spec_generate`'s decoding arguments, each refused by name when it cannot work (as `GenerationConfig` does)."""
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+        raise ValueError(f"top_k must be None or an integer >= 0 (0 = no top-k), got {top_k!r}")
+    if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+    if repetition_penalty is not None and (
+        not _is_real(repetition_penalty) or not math.isfinite(repetition_penalty) or repetition_penalty <= 0
+    ):
+        raise ValueError(f"repetition_penalty must be None or a finite number > 0, got {repetition_penalty!r}")
+    if no_repeat_ngram_size is not None and (not _is_int(no_repeat_ngram_size) or no_repeat_ngram_size < 0):
+        raise ValueError(f"no_repeat_ngram_size must be None or an integer >= 0, got {no_repeat_ngram_size!r}")
+
+
+def decoding_processors(
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    no_repeat_ngram_size: int | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+) -> LogitsProcessorList:
+    """The processors `spec_generate` applies to the target's p and the drafter's q alike, in `generate`'s order:
+    repetition penalty, n-gram blocking and the caller's own processors, then (when sampling) the warpers."""
+    processors = LogitsProcessorList()
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    if no_repeat_ngram_size:
+        processors.append(NoRepeatNGramLogitsProcessor(no_repeat_ngram_size))
+    processors.extend(logits_processor or [])
+    if temperature > 0:
+        processors.extend(sampling_processors(temperature, top_k, top_p))
+    return processors
+
+
+def stop_token_tensor(stop_token_ids, device) -> torch.Tensor:
+    """Stop tokens as a 1-D LongTensor from None, an int (Python, numpy or 0-d tensor) or a sequence/tensor of ids."""
+    if stop_token_ids is None:
+        return torch.empty(0, dtype=torch.long, device=device)
+    try:
+        stop = torch.as_tensor(stop_token_ids, device=device)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"stop_token_ids must be token ids (an int or a list of ints), got {stop_token_ids!r}") from error
+    if stop.numel() and (stop.dtype == torch.bool or stop.is_floating_point() or stop.is_complex()):
+        raise ValueError(f"stop_token_ids must be integer token ids, got {stop_token_ids!r}")
+    return stop.to(torch.long).flatten()
+
+
 def draft_block(
     xpress,
     embed_tokens: torch.nn.Module,
@@ -132,7 +264,7 @@ def draft_block(
     do_sample: bool = False,
     generator: torch.Generator | None = None,
     stats: XPressGenerationStats | None = None,
-    clock: WallClock | None = None,
+    timer: SectionTimer | None = None,
 ) -> RefinementResult:
     """Draft one block after the committed prefix and return its tokens and their distributions.
 
@@ -140,9 +272,9 @@ def draft_block(
     of committed tokens the drafter cache has not seen. The drafter cache keeps only context K/V: the block's K/V are
     cropped before returning.
     """
-    clock = clock or WallClock(anchor.device)
+    timer = timer or SectionTimer(anchor.device)
     block = xpress.config.block_size
-    t0 = clock.now()
+    t0 = timer.mark()
     noise_embeds = xpress.embed_blocks(anchor.view(1, 1), embed_tokens)  # (1, B, H)
     c = context_features.shape[1]
     position_ids = torch.arange(context_start, context_start + c + block, device=anchor.device).unsqueeze(0)
@@ -155,16 +287,16 @@ def draft_block(
     )
     cache.crop(-block)
     hidden = out.last_hidden_state  # (1, B, H)
-    t1 = clock.now()
+    t1 = timer.mark()
     base = xpress.base_logits(hidden.to(lm_head.weight.dtype), lm_head)  # (1, n, V)
-    t2 = clock.now()
+    t2 = timer.mark()
     noise = gumbel_noise(base.shape, generator=generator, device=base.device) if do_sample else None
     result = xpress.refine(hidden[:, 1:], base, anchor.view(1), logits_transform=logits_transform, noise=noise)
-    t3 = clock.now()
+    t3 = timer.mark()
     if stats is not None:
-        stats.time_drafter += t1 - t0
-        stats.time_lm_head += t2 - t1
-        stats.time_refiner += t3 - t2
+        stats.record("drafter", t0, t1)
+        stats.record("lm_head", t1, t2)
+        stats.record("refiner", t2, t3)
         stats.jacobi_iterations.append(int(result.iterations[0]))
     return result
 
@@ -179,18 +311,29 @@ def _is_xpress(model) -> bool:
     return getattr(getattr(model, "config", None), "model_type", None) == "xpress"
 
 
-def check_assistant_call(target, xpress, input_ids: torch.Tensor, num_return_sequences: int = 1) -> None:
-    """Errors for everything xPress cannot serve, raised before any model runs."""
+def check_assistant_call(target, xpress, input_ids: torch.Tensor) -> None:
+    """Errors for a target or input xPress cannot serve, raised before any model runs."""
     xpress.config.check_target(target.config)
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(
             f"xPress speculative decoding runs one sequence at a time, got input_ids of shape {tuple(input_ids.shape)}. "
             "Call generate once per prompt (or use plain target.generate for batched decoding)."
         )
-    if num_return_sequences > 1:
+
+
+def check_generation_config(generation_config) -> None:
+    """Errors for `generate` settings an xPress assistant cannot serve (transformers would otherwise ignore the
+    assistant silently or fail deep inside its loop)."""
+    if (generation_config.num_return_sequences or 1) > 1:
         raise ValueError(
-            f"num_return_sequences={num_return_sequences} is not supported with an xPress assistant: it decodes one "
-            "sequence per call. Call generate several times (with do_sample=True) instead."
+            f"num_return_sequences={generation_config.num_return_sequences} is not supported with an xPress assistant: "
+            "it decodes one sequence per call. Call generate several times (with do_sample=True) instead."
+        )
+    if (generation_config.num_beams or 1) > 1:
+        raise ValueError(
+            f"num_beams={generation_config.num_beams} is not supported with an xPress assistant: speculative decoding "
+            "verifies a single sequence, and beam search would silently ignore the drafter. Use num_beams=1 (greedy or "
+            "sampling) with assistant_model, or beam search without it."
         )
 
 
@@ -206,7 +349,8 @@ class XPressCandidateGenerator(CandidateGenerator):
     requires_model_outputs = True
 
     def __init__(self, xpress, target, input_ids: torch.Tensor, generation_config, logits_processor=None):
-        check_assistant_call(target, xpress, input_ids, generation_config.num_return_sequences or 1)
+        check_assistant_call(target, xpress, input_ids)
+        check_generation_config(generation_config)
         self.xpress = xpress
         self.layer_ids = list(xpress.config.target_layer_ids)
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.layer_ids]}
@@ -217,21 +361,21 @@ class XPressCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor
         self.cache = DynamicCache(config=xpress.config)
         self.context_len = 0  # committed tokens whose features are in the drafter cache
-        self.clock = WallClock(xpress.device)
+        self.timer = SectionTimer(xpress.device)
         self.stats = XPressGenerationStats()
         xpress.generation_stats = self.stats
-        self._start = self.clock.now()
-        self._last_draft_end: float | None = None
+        self._start = self.timer.mark()
+        self._last_draft_end = None
         self._drafted = False  # whether the step being verified carries a draft (not the prefill / a budget-0 step)
 
     @torch.no_grad()
     def get_candidates(
         self, input_ids: torch.LongTensor, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        now = self.clock.now()
+        now = self.timer.mark()
         if self._last_draft_end is not None:
-            self.stats.time_verify += now - self._last_draft_end
-        self.stats.time_total = now - self._start
+            self.stats.record("verify", self._last_draft_end, now)
+        self.stats.record_total(self._start, now)
         self._drafted = False
         if is_first_iteration:
             return input_ids, None  # the target prefills first; we need its hidden states
@@ -260,10 +404,10 @@ class XPressCandidateGenerator(CandidateGenerator):
             logits_transform=transform,
             do_sample=self.do_sample,
             stats=self.stats,
-            clock=self.clock,
+            timer=self.timer,
         )
         self.context_len = anchor_pos
-        self._last_draft_end = self.clock.now()
+        self._last_draft_end = self.timer.mark()
         candidates = result.tokens[:, :budget].to(input_ids.device)
         self._drafted = True
         return torch.cat([input_ids, candidates], dim=1), result.logits[:, :budget]
@@ -272,7 +416,7 @@ class XPressCandidateGenerator(CandidateGenerator):
         self.stats.new_tokens += int(num_matches) + 1
         if self._drafted:  # τ counts verification steps of a draft only
             self.stats.acceptance_lengths.append(int(num_matches) + 1)
-        self.stats.time_total = self.clock.now() - self._start
+        self.stats.record_total(self._start, self.timer.mark())
 
 
 @contextlib.contextmanager
@@ -292,7 +436,8 @@ def make_candidate_generator(target, xpress, generation_config, input_ids, logit
     """The candidate generator for an xPress assistant: ours, or transformers' native dFlash generator on our drafter
     (refiner bypassed) when `speculation_type="dflash"`."""
     if generation_config.speculation_type == "dflash":
-        check_assistant_call(target, xpress, input_ids, generation_config.num_return_sequences or 1)
+        check_assistant_call(target, xpress, input_ids)
+        check_generation_config(generation_config)
         with _placeholder_mask_id(xpress.config):
             return DFlashTokenCandidateGenerator(
                 assistant_model=xpress,
@@ -341,8 +486,9 @@ def install_generation_hook() -> None:
     What it changes, and nothing else:
 
     * `GenerationMixin._validate_generation_mode`: when the assistant is an xPress model, first checks it was built
-      for this target and that the call is single-sequence, so a mismatch fails with an xPress error instead of a
-      misleading "different tokenizers" one; then runs the original validation.
+      for this target and that the call is single-sequence without beams, so a mismatch fails with an xPress error
+      instead of a misleading "different tokenizers" one (or beam search silently ignoring the drafter); then runs
+      the original validation.
     * `GenerationMixin._get_candidate_generator`: when the assistant is an xPress model, returns its generator;
       otherwise calls the original method with the original arguments.
 
@@ -360,11 +506,7 @@ def install_generation_hook() -> None:
         assistant = generation_mode_kwargs.get("assistant_model")
         if _is_xpress(assistant):
             assistant.config.check_target(self.config)
-            if (generation_config.num_return_sequences or 1) > 1:
-                raise ValueError(
-                    f"num_return_sequences={generation_config.num_return_sequences} is not supported with an xPress "
-                    "assistant: it decodes one sequence per call. Call generate several times instead."
-                )
+            check_generation_config(generation_config)
         return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
 
     @functools.wraps(original_candidates)
@@ -436,39 +578,46 @@ def spec_generate(
     target,
     input_ids: torch.LongTensor,
     *,
+    attention_mask: torch.Tensor | None = None,
     max_new_tokens: int = 256,
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    stop_token_ids: list[int] | int | None = None,
+    repetition_penalty: float | None = None,
+    no_repeat_ngram_size: int | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+    stop_token_ids=None,
     generator: torch.Generator | None = None,
 ) -> XPressGenerateOutput:
     """xPress speculative decoding without `generate`: prefill, then draft → refine → verify → accept → crop.
 
+    Takes a tokenizer's output as is (`spec_generate(xpress, target, **inputs)`: one unpadded sequence).
     `temperature=0` is greedy (output identical to the target's greedy decode); `temperature>0` samples losslessly
-    from the target's distribution after temperature/top-k/top-p. `stop_token_ids` (default: the target's EOS) end
-    generation after they are emitted. Returns `.sequences` (prompt included) and `.stats`; the stats are also left at
-    `xpress.generation_stats`.
+    from the target's distribution after temperature/top-k/top-p. `repetition_penalty`, `no_repeat_ngram_size` and
+    any `logits_processor` list apply to the target's p and the drafter's q alike, as in `generate`.
+    `stop_token_ids` (default: the target's EOS; an int, a list or a tensor of ids) end generation after they are
+    emitted. Returns `.sequences` (prompt included) and `.stats`; the stats are also left at `xpress.generation_stats`.
     """
     check_assistant_call(target, xpress, input_ids)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_decoding_arguments(max_new_tokens, temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size)
+    if attention_mask is not None and (attention_mask.shape != input_ids.shape or not bool(attention_mask.all())):
+        raise ValueError(
+            f"attention_mask (shape {tuple(attention_mask.shape)}) must be all ones over input_ids (shape "
+            f"{tuple(input_ids.shape)}): spec_generate decodes one unpadded sequence. Tokenize the prompt alone, "
+            "without padding."
+        )
     if stop_token_ids is None:
         stop_token_ids = target.generation_config.eos_token_id
-    stop = torch.tensor(
-        [] if stop_token_ids is None else ([stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)),
-        dtype=torch.long,
-        device=input_ids.device,
-    )
+    stop = stop_token_tensor(stop_token_ids, input_ids.device)
     do_sample = temperature > 0
-    processors = sampling_processors(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
+    processors = decoding_processors(temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size, logits_processor)
     layer_ids = list(xpress.config.target_layer_ids)
     hidden_request = [i + 1 for i in layer_ids]
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     stats = XPressGenerationStats()
     xpress.generation_stats = stats
-    clock = WallClock(input_ids.device)
-    start = clock.now()
+    timer = SectionTimer(input_ids.device)
+    start = timer.mark()
 
     def pick(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         logits = processors(ids, logits.float()) if processors else logits.float()
@@ -479,12 +628,14 @@ def spec_generate(
     # Prefill: the prompt's features become the drafter's first context, and the target emits the first token.
     target_cache = DynamicCache(config=target.config)
     out = target(input_ids=input_ids, cache=target_cache, output_hidden_states=hidden_request, logits_to_keep=1)
+    # From now on every verification is cropped back to what was accepted. Layers that keep only a window (sliding
+    # attention) or a state (linear attention) must keep what a crop needs; after the prefill, so it stays small.
+    target_cache.activate_past_recording()
     features = target_features(out.hidden_states, layer_ids, input_ids.shape[1])
     sequence = torch.cat([input_ids, pick(out.logits[:, -1], input_ids).view(1, 1)], dim=1)
     draft_cache = DynamicCache(config=xpress.config)
     context_len = 0
-    t_verify = clock.now()
-    stats.time_verify += t_verify - start
+    stats.record("verify", start, timer.mark())
     prompt_len = input_ids.shape[1]
 
     while sequence.shape[1] - prompt_len < max_new_tokens and not bool(torch.isin(sequence[0, -1], stop)):
@@ -494,7 +645,7 @@ def spec_generate(
             transform = processors_transform(processors, sequence) if processors else None
             result = draft_block(
                 xpress, embed_tokens, lm_head, sequence[0, -1:], features.to(xpress.device), context_len, draft_cache,
-                logits_transform=transform, do_sample=do_sample, generator=generator, stats=stats, clock=clock,
+                logits_transform=transform, do_sample=do_sample, generator=generator, stats=stats, timer=timer,
             )  # fmt: skip
             context_len = anchor_pos
             draft, q_logits = result.tokens[0, :budget].to(sequence.device), result.logits[0, :budget]
@@ -502,12 +653,10 @@ def spec_generate(
             draft = sequence.new_empty(0)
             q_logits = None
 
-        t0 = clock.now()
+        t0 = timer.mark()
         verify_ids = torch.cat([sequence[:, -1:], draft.view(1, -1)], dim=1)  # [anchor, d_1..d_m]
         out = target(input_ids=verify_ids, cache=target_cache, output_hidden_states=hidden_request)
-        p_logits = out.logits[0].float()  # (m + 1, V)
-        if processors:  # temperature/top-k/top-p ignore the prefix, so all positions go in one call
-            p_logits = processors(sequence.expand(p_logits.shape[0], -1), p_logits)
+        p_logits = process_verification_logits(processors, sequence, draft, out.logits[0].float())  # (m + 1, V)
         if do_sample:
             matches, bonus = _accept_sampling(draft, q_logits, p_logits, generator)
         else:
@@ -523,10 +672,10 @@ def spec_generate(
         sequence = torch.cat([sequence, accepted.view(1, -1)], dim=1)
         if draft.numel():  # τ counts verification steps of a draft only
             stats.acceptance_lengths.append(int(accepted.shape[0]))
-        stats.time_verify += clock.now() - t0
+        stats.record("verify", t0, timer.mark())
 
     stats.new_tokens = sequence.shape[1] - prompt_len
-    stats.time_total = clock.now() - start
+    stats.record_total(start, timer.mark())
     return XPressGenerateOutput(sequences=sequence, stats=stats)
 
 
@@ -534,6 +683,7 @@ __all__ = [
     "XPressCandidateGenerator",
     "XPressGenerationStats",
     "XPressGenerateOutput",
+    "SectionTimer",
     "WallClock",
     "install_generation_hook",
     "spec_generate",

@@ -115,8 +115,11 @@ def sequential_refine(
     tokens = torch.zeros(b, n, dtype=torch.long, device=base_logits.device)
     logits = torch.empty(b, n, v, dtype=torch.float32, device=base_logits.device)
     for k in range(n):
-        delta = refiner(hidden, previous_tokens(anchor_ids, tokens))[:, k]  # positions > k are ignored by causality
-        logits[:, k], tokens[:, k] = decode(base_logits[:, k] + delta, logits_transform, None if noise is None else noise[:, k])
+        # Positions > k are ignored by causality; slices stay 3-D (b, 1, V) because a logits transform takes blocks.
+        delta = refiner(hidden, previous_tokens(anchor_ids, tokens))[:, k : k + 1]
+        step_noise = None if noise is None else noise[:, k : k + 1]
+        step_logits, step_tokens = decode(base_logits[:, k : k + 1] + delta, logits_transform, step_noise)
+        logits[:, k], tokens[:, k] = step_logits[:, 0], step_tokens[:, 0]
     return RefinementResult(tokens=tokens, logits=logits, iterations=torch.full((b,), n, device=tokens.device))
 
 
@@ -133,10 +136,12 @@ def markov_decode(
     b, n, v = base_logits.shape
     tokens = torch.empty(b, n, dtype=torch.long, device=base_logits.device)
     logits = torch.empty(b, n, v, dtype=torch.float32, device=base_logits.device)
-    previous = anchor_ids.view(b)
+    previous = anchor_ids.view(b, 1)
     for k in range(n):
-        logits[:, k], previous = decode(base_logits[:, k] + head(previous), logits_transform, None if noise is None else noise[:, k])
-        tokens[:, k] = previous
+        # One position at a time, kept 3-D (b, 1, V): a logits transform takes a block of positions.
+        step_noise = None if noise is None else noise[:, k : k + 1]
+        step_logits, previous = decode(base_logits[:, k : k + 1] + head(previous), logits_transform, step_noise)
+        logits[:, k], tokens[:, k] = step_logits[:, 0], previous[:, 0]
     return RefinementResult(tokens=tokens, logits=logits, iterations=torch.full((b,), n, device=tokens.device))
 
 
