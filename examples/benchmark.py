@@ -14,17 +14,29 @@ from datetime import datetime, timezone
 
 import torch
 
-from modeling_xpress.assets import load_smollm2
+from modeling_xpress.assets import DTYPES, load_smollm2
 from modeling_xpress.benchmark import (
     BenchmarkSettings,
-    DTYPES,
     evaluation_prompt_sets,
     load_methods,
-    parse_dtype,
-    parse_method_spec,
     run_benchmark,
     write_results,
 )
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'float32' / 'bfloat16' → torch dtype."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def parse_method_spec(spec: str) -> tuple[str, str]:
+    """'name=path' → (name, path), e.g. 'xpress=checkpoints/xpress'."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"a method is given as name=path (e.g. xpress=checkpoints/xpress), got {spec!r}")
+    return name, path
 
 
 def parse_args() -> argparse.Namespace:

@@ -6,7 +6,7 @@
 
 The weights are saved in `--dtype` (bfloat16 keeps the folder small; `from_pretrained(..., dtype=torch.float32)`
 upcasts them exactly). The card is rendered with huggingface_hub's card tools from
-`modeling_xpress/hub_cards/xpress_model_card.md`; its table is `benchmark.card_rows(summarize(results))`, recomputed
+`modeling_xpress/hub_cards/xpress_model_card.md`; its table is `reports.card_rows(summarize(results))`, recomputed
 from the raw records of the evaluation JSON, and its training section from the pipeline's `training_summary.json`.
 """
 
@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from modeling_xpress import XPressModel
-from modeling_xpress.benchmark import DTYPES, card_rows, summarize
+from modeling_xpress.assets import DTYPES
 from modeling_xpress.cards import render_model_card
+from modeling_xpress.reports import card_rows, summarize
 
 TARGET_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SIZE_LIMIT_MB = 50

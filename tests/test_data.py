@@ -14,7 +14,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from modeling_xpress import assets
-from modeling_xpress.data import load_responses, regenerate_responses, training_prompts
+from modeling_xpress.prompts import training_prompts
+from modeling_xpress.regeneration import load_responses, regenerate_responses
 
 PAD, EOS = 0, 1
 MAX_NEW = 12

@@ -1,0 +1,286 @@
+"""What a benchmark run's raw records say: the run labels, every summary table, the model card's rows and the Markdown
+report.
+
+Everything here is a pure function of the results dict that `benchmark.run_benchmark` returns (or of its saved JSON),
+and this module imports no torch: summaries and reports are plain Python over the raw records.
+
+τ is pooled: committed tokens / target verifications over all steps of a group (SPEC §7); the per-prompt means are in
+the raw records. Speed is a ratio of tokens/s measured in the same run; absolute seconds are raw data only.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .benchmark import BenchmarkSettings
+
+ENTRIES = ("generate", "spec_generate")  # the two speculative entry points; "plain" is target.generate alone
+CONFIG_SETTING = "config"  # label of runs with the checkpoint's own Jacobi settings
+ADAPTIVE_SETTING = "adaptive"
+ALL = "all"  # the pooled pseudo-dataset in summary rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Run settings and their labels
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def sweep_settings(model, settings: BenchmarkSettings) -> list[tuple[str, int, bool]]:
+    """(label, max_iters, early_exit) of the K sweep for one xPress model: fixed K without early exit, then adaptive.
+    The labels are the `setting` of the sweep's records and of the refiner latency rows; `setting_order` sorts them."""
+    rows = [(f"K={k}", k, False) for k in settings.k_values]
+    if settings.adaptive:
+        rows.append((ADAPTIVE_SETTING, model.config.block_size - 1, True))
+    return rows
+
+
+def setting_order(label: str) -> tuple[int, int]:
+    """Sort key of run settings: checkpoint config, then K=1, K=2, ..., then adaptive."""
+    if label == CONFIG_SETTING:
+        return (0, 0)
+    return (2, 0) if label == ADAPTIVE_SETTING else (1, int(label.removeprefix("K=")))
+
+
+def column_name(dataset: str, temperature: float) -> str:
+    return f"{dataset} T={temperature:g}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Summaries (pure functions of the raw results)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _pooled(records: Sequence[dict]) -> dict:
+    """Pool the generation stats of several records."""
+    lengths = [t for r in records for t in r["stats"]["acceptance_lengths"]]
+    iterations = [i for r in records for i in r["stats"]["jacobi_iterations"]]
+    blocks = max(len(iterations), 1)
+    timer = {k: sum(r["stats"][f"time_{k}"] for r in records) for k in ("drafter", "lm_head", "refiner", "verify")}
+    taus = [r["stats"]["mean_tau"] for r in records if r["stats"]["acceptance_lengths"]]
+    return {
+        "tau": sum(lengths) / len(lengths) if lengths else None,
+        # Mean of per-prompt τ over prompts that drafted at all (a prompt ended by EOS at once has no τ).
+        "tau_prompt_mean": statistics.fmean(taus) if taus else None,
+        "verifications": len(lengths),
+        "blocks": len(iterations),
+        "mean_jacobi_iterations": sum(iterations) / len(iterations) if iterations else None,
+        "drafter_ms_per_block": 1e3 * timer["drafter"] / blocks,
+        "lm_head_ms_per_block": 1e3 * timer["lm_head"] / blocks,
+        "refiner_ms_per_block": 1e3 * timer["refiner"] / blocks,
+        "verify_ms_per_step": 1e3 * timer["verify"] / max(len(lengths), 1),
+        "prompts": len(records),
+    }
+
+
+def _groups(records: Sequence[dict], fields: Sequence[str], pool_datasets: bool = True) -> dict[tuple, list[dict]]:
+    """Group records by the values of `fields`; with `pool_datasets` every record also joins the group whose
+    "dataset" is ALL."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[tuple(r[f] for f in fields)].append(r)
+        if pool_datasets:
+            groups[tuple(ALL if f == "dataset" else r[f] for f in fields)].append(r)
+    return groups
+
+
+def _stat_rows(records: Sequence[dict], fields: Sequence[str], pool_datasets: bool = True) -> list[dict]:
+    """One row per group: the grouping fields and the pooled generation stats."""
+    return [dict(zip(fields, key)) | _pooled(group) for key, group in _groups(records, fields, pool_datasets).items()]
+
+
+def _throughput_rows(records: Sequence[dict]) -> list[dict]:
+    """tokens/s of each speculative entry over tokens/s of plain generate, per dataset and temperature (and pooled)."""
+    rows = []
+    groups = _groups(records, ("dataset", "temperature", "entry", "method"))
+    for (dataset, temperature, entry, method), group in groups.items():
+        if entry == "plain":
+            continue
+        plain = groups[(dataset, temperature, "plain", None)]
+        plain_rate = sum(r["new_tokens"] for r in plain) / sum(r["seconds"] for r in plain)
+        rate = sum(r["new_tokens"] for r in group) / sum(r["seconds"] for r in group)
+        rows.append({
+            "method": method, "entry": entry, "dataset": dataset, "temperature": temperature,
+            "tokens_per_s": rate, "plain_tokens_per_s": plain_rate, "speedup": rate / plain_rate,
+            "tau": _pooled(group)["tau"], "prompts": len(group),
+        })  # fmt: skip
+    return rows
+
+
+def _latency_rows(latency: Mapping[str, dict]) -> list[dict]:
+    rows = []
+    for method, entry in latency.items():
+        for result in entry["results"]:
+            s = sorted(result["seconds"])
+            q = statistics.quantiles(s, n=10) if len(s) > 1 else [s[0]] * 9
+            rows.append({
+                "method": method, "refiner": result["refiner"], "setting": result["setting"],
+                "median_us": 1e6 * statistics.median(s), "p10_us": 1e6 * q[0], "p90_us": 1e6 * q[-1],
+                "samples": len(s), "blocks": entry["blocks"],
+            })  # fmt: skip
+    return rows
+
+
+def summarize(results: Mapping) -> dict:
+    """Every table of the report, derived from `results["records"]` and `results["latency"]` only."""
+    records = results["records"]
+    main = [r for r in records if r["setting"] == CONFIG_SETTING]  # the checkpoints as saved
+    plain = [r for r in records if r["entry"] == "plain"]
+    spec = [r for r in main if r["entry"] == "spec_generate"]
+    sweep = [r for r in records if r["entry"] == "spec_generate" and r["setting"] not in (None, CONFIG_SETTING)]
+    greedy = [r for r in records if r["identical_to_plain"] is not None]
+    fields = ("method", "entry", "setting", "dataset")
+    identity = [
+        dict(zip(fields, key), identical=sum(r["identical_to_plain"] for r in group), prompts=len(group))
+        for key, group in _groups(greedy, fields).items()
+    ]
+    return {
+        "tau": _stat_rows(spec, ("method", "dataset", "temperature")),
+        "sweep": _stat_rows(sweep, ("method", "dataset", "temperature", "setting")),
+        "throughput": _throughput_rows(main + plain),
+        "identity": identity,
+        "breakdown": _stat_rows(spec, ("method", "temperature"), pool_datasets=False),
+        "latency": _latency_rows(results.get("latency", {})),
+    }
+
+
+def card_rows(summary: Mapping) -> list[dict]:
+    """Rows for `cards.render_model_card(config, results=...)`: τ and both speed ratios per method, pooled dataset
+    included."""
+    speed = {(r["method"], r["entry"], r["dataset"], r["temperature"]): r["speedup"] for r in summary["throughput"]}
+    return [
+        {"method": r["method"], "dataset": r["dataset"], "temperature": r["temperature"], "tau": r["tau"],
+         "speedup_spec_generate": speed.get((r["method"], "spec_generate", r["dataset"], r["temperature"])),
+         "speedup_generate": speed.get((r["method"], "generate", r["dataset"], r["temperature"]))}
+        for r in summary["tau"]
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Markdown report
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(str(c) for c in row) + " |" for row in rows
+    ]
+
+
+def _columns(results: Mapping) -> list[tuple[str, float]]:
+    """(dataset, temperature) columns in run order, pooled dataset last."""
+    datasets = list(results["datasets"]) + [ALL]
+    return [(d, t) for t in results["settings"]["temperatures"] for d in datasets]
+
+
+def _identity_order(key: tuple[str, str, str]) -> tuple:
+    method, entry, setting = key
+    return (method, entry, setting_order(setting))
+
+
+def markdown_report(results: Mapping, plots: Mapping[str, str] | None = None) -> str:
+    """The README-ready report: settings, then one table per measurement, then the plots (relative paths)."""
+    s, summary, cols = results["settings"], results["summary"], _columns(results)
+    env = results["environment"]
+    temps = ", ".join(f"{t:g}" for t in s["temperatures"])
+    dirty = " (with uncommitted changes)" if env["git_dirty"] else ""
+    counts = ", ".join(f"{d} {v['prompts']}" for d, v in results["datasets"].items())
+    methods = ", ".join(
+        f"`{m}` ({v['refiner']}, block {v['block_size']}, K≤{v['jacobi_max_iters']}"
+        + (", early exit)" if v["jacobi_early_exit"] else ")")
+        for m, v in results["methods"].items()
+    )
+    lines = [
+        f"# Benchmark `{results.get('run_name', '')}`",
+        "",
+        f"Target `{env['target_model']}` in {env['target_dtype']} on {env['device']} "
+        f"({env['cpu'] or env['cuda_device']}, "
+        f"{env['torch_threads']} torch threads); torch {env['torch']}, transformers {env['transformers']}, "
+        f"commit `{env['git_commit']}`{dirty}. Started {results['started_utc']}, "
+        f"wall time {results['wall_time_s']:.0f} s.",
+        "",
+        f"Prompts per dataset: {counts} "
+        f"(limit {s['limit']}); at most {s['max_new_tokens']} new tokens; temperatures {temps}; "
+        f"seed {s['seed']}. Methods: {methods}.",
+        "",
+        "τ = tokens committed per target verification (bonus included), pooled over all steps; speed = tokens/s "
+        "over plain `target.generate` tokens/s measured side by side in this run.",
+        "",
+        "## Mean acceptance length τ (`spec_generate`, checkpoint settings)",
+        "",
+    ]  # fmt: skip
+    tau = {(r["method"], r["dataset"], r["temperature"]): r["tau"] for r in summary["tau"]}
+    lines += _table(["method"] + [column_name(*c) for c in cols],
+                    [[m] + [_fmt(tau.get((m, *c))) for c in cols] for m in results["methods"]])  # fmt: skip
+
+    if summary["sweep"]:
+        lines += ["", "## Jacobi sweep: τ (mean iterations to settle) per K", "",
+                  "Fixed K runs K passes (early exit off); the iteration count is the passes until the block stopped "
+                  "changing (≤ K). Adaptive: K = block_size − 1 with early exit, so the count is the passes run.",
+                  ""]  # fmt: skip
+        sweep = {(r["method"], r["setting"], r["dataset"], r["temperature"]): r for r in summary["sweep"]}
+        labels = sorted({r["setting"] for r in summary["sweep"]}, key=setting_order)
+        for method in sorted({r["method"] for r in summary["sweep"]}):
+            rows = []
+            for label in labels:
+                cells = [sweep.get((method, label, *c)) for c in cols]
+                rows.append([label] + [f"{_fmt(r['tau'])} ({_fmt(r['mean_jacobi_iterations'], 1)})" if r else "–"
+                                       for r in cells])  # fmt: skip
+            lines += [f"`{method}`:", ""] + _table(["K"] + [column_name(*c) for c in cols], rows) + [""]
+
+    lines += ["", "## End-to-end speed ratio against plain `target.generate` (same run)", ""]
+    speed = {(r["method"], r["entry"], r["dataset"], r["temperature"]): r["speedup"] for r in summary["throughput"]}
+    lines += _table(["method", "entry"] + [column_name(*c) for c in cols],
+                    [[m, e] + [f"{_fmt(speed.get((m, e, *c)))}×" for c in cols]
+                     for m in results["methods"] for e in ENTRIES])  # fmt: skip
+
+    if summary["identity"]:
+        datasets = list(results["datasets"]) + [ALL]
+        ident = {(r["method"], r["entry"], r["setting"], r["dataset"]): r for r in summary["identity"]}
+        keys = sorted({(r["method"], r["entry"], r["setting"]) for r in summary["identity"]}, key=_identity_order)
+        lines += ["", "## Greedy identity: outputs equal to the target's greedy output, token for token (T=0)", ""]
+        lines += _table(["method", "entry", "setting"] + datasets,
+                        [list(k) + [f"{ident[(*k, d)]['identical']}/{ident[(*k, d)]['prompts']}"
+                                    if (*k, d) in ident else "–" for d in datasets] for k in keys])  # fmt: skip
+
+    lines += ["", "## Draft step per block (ms, `spec_generate` timers, all datasets)", ""]
+    lines += _table(["method", "T", "drafter", "lm_head", "refiner", "verify / step", "blocks"],
+                    [[r["method"], _fmt(r["temperature"], 0), _fmt(r["drafter_ms_per_block"], 3),
+                      _fmt(r["lm_head_ms_per_block"], 3), _fmt(r["refiner_ms_per_block"], 3),
+                      _fmt(r["verify_ms_per_step"], 3), r["blocks"]] for r in summary["breakdown"]])  # fmt: skip
+
+    if summary["latency"]:
+        lines += ["", "## Refinement latency per block (µs, median [p10–p90] of `refine` on real drafter outputs)",
+                  "",
+                  "xPress fixed K: early exit off. Markov: its serial decode. none: the argmax of the drafter's "
+                  "marginals.", ""]  # fmt: skip
+        lines += _table(["method", "head", "setting", "median", "p10–p90", "samples"],
+                        [[r["method"], r["refiner"], r["setting"], _fmt(r["median_us"], 0),
+                          f"{_fmt(r['p10_us'], 0)}–{_fmt(r['p90_us'], 0)}", r["samples"]]
+                         for r in summary["latency"]])  # fmt: skip
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{name}]({path})" for name, path in plots.items()]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = [
+    "ADAPTIVE_SETTING",
+    "ALL",
+    "CONFIG_SETTING",
+    "ENTRIES",
+    "card_rows",
+    "column_name",
+    "markdown_report",
+    "setting_order",
+    "summarize",
+    "sweep_settings",
+]
