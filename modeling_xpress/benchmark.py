@@ -264,7 +264,7 @@ def measure_prompt(target, methods: Mapping[str, torch.nn.Module], ids: torch.Te
         for entry, name in [("plain", None)] + [(e, m) for m in methods for e in ENTRIES]
     ]
     for name, model in methods.items():
-        if model.config.refiner != "xpress":
+        if not model.refiner.iterative:  # the K sweep applies to Jacobi heads only
             continue
         for label, max_iters, early_exit in sweep_settings(model, settings):
             with jacobi_setting(model, max_iters, early_exit):

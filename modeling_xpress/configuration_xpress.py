@@ -13,7 +13,10 @@ from typing import Any
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+# Heads a config can name; `modeling_xpress.HEADS` maps each to its class.
 REFINER_TYPES = ("xpress", "markov", "none")
+# RoPE base of a config that does not name one (Qwen3's).
+DEFAULT_ROPE_THETA = 1_000_000.0
 # Fields that must hold whole numbers (a float such as 2.5 would be truncated, or fail deep inside torch, later).
 _INTEGER_FIELDS = (
     "vocab_size", "target_hidden_size", "num_target_layers", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -94,15 +97,26 @@ class XPressConfig(PreTrainedConfig):
     intermediate_size: int = 12288
     # Number of drafter decoder layers.
     num_hidden_layers: int = 5
+    # Query heads of the drafter's attention.
     num_attention_heads: int = 32
+    # Key/value heads (grouped-query attention); must divide `num_attention_heads`.
     num_key_value_heads: int = 8
+    # Width of one attention head.
     head_dim: int = 128
+    # Activation of the SwiGLU MLP.
     hidden_act: str = "silu"
+    # Epsilon of every RMSNorm (layers, QK-norm, `hidden_norm`, final norm).
     rms_norm_eps: float = 1e-6
+    # Longest position the rotary embedding is set up for.
     max_position_embeddings: int = 40960
+    # RoPE settings as transformers' `rope_parameters`; None → `{"rope_type": "default", "rope_theta":
+    # DEFAULT_ROPE_THETA}` (a flat `rope_theta=` keyword, as older configs carry, is honoured).
     rope_parameters: RopeParameters | dict | None = None
+    # Bias on the q/k/v/o projections.
     attention_bias: bool = False
+    # Dropout on attention weights during training.
     attention_dropout: float = 0.0
+    # Standard deviation of the normal initialisation of fresh linear layers.
     initializer_range: float = 0.02
 
     # --- block diffusion ----------------------------------------------------------------------------------------
@@ -126,7 +140,7 @@ class XPressConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         if self.rope_parameters is None:
-            self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", 1_000_000.0)}
+            self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", DEFAULT_ROPE_THETA)}
         if self.target_layer_ids is None and self.num_target_layers and self.num_hidden_layers:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         if self.target_layer_ids is not None:
@@ -202,13 +216,15 @@ class XPressConfig(PreTrainedConfig):
             num_attention_heads=heads,
             num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-            max_position_embeddings=getattr(text, "max_position_embeddings", 40960),
-            rope_parameters=dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e6}),
+            rms_norm_eps=getattr(text, "rms_norm_eps", None),
+            max_position_embeddings=getattr(text, "max_position_embeddings", None),
+            rope_parameters=dict(text.rope_parameters) if getattr(text, "rope_parameters", None) else None,
             bos_token_id=getattr(text, "bos_token_id", None),
             eos_token_id=getattr(text, "eos_token_id", None),
             pad_token_id=getattr(text, "pad_token_id", None),
         )
+        # What the target does not say falls back to this class's own defaults (declared once, above).
+        derived = {k: v for k, v in derived.items() if v is not None or k.endswith("token_id")}
         if target_config.name_or_path:
             derived["target_model_name"] = str(target_config.name_or_path)
         derived.update(overrides)

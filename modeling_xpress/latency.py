@@ -68,18 +68,16 @@ def capture_blocks(target, model, prompts: Sequence[torch.Tensor], num_blocks: i
 
 
 def _refine_call(model, block: CapturedBlock, max_iters: int | None, early_exit: bool | None) -> Callable[[], object]:
-    if model.config.refiner == "xpress":
-        return lambda: model.refine(block.hidden, block.base_logits, block.anchor_ids, max_iters=max_iters,
-                                    early_exit=early_exit)  # fmt: skip
-    return lambda: model.refine(block.hidden, block.base_logits, block.anchor_ids)
+    return lambda: model.refine(block.hidden, block.base_logits, block.anchor_ids, max_iters=max_iters,
+                                early_exit=early_exit)  # fmt: skip
 
 
 def refine_latency_settings(model, settings: BenchmarkSettings) -> list[tuple[str, int | None, bool | None]]:
-    """What to time for one model: each fixed K (early exit off) and adaptive for xPress; the one fixed decode
-    (Markov serial / plain argmax) otherwise."""
-    if model.config.refiner == "xpress":
+    """What to time for one model: each fixed K (early exit off) and adaptive for an iterative head (xPress); the one
+    fixed decode (Markov serial / plain argmax) otherwise."""
+    if model.refiner.iterative:
         return sweep_settings(model, settings)
-    return [("serial" if model.config.refiner == "markov" else "argmax", None, None)]
+    return [(model.refiner.decode_name, None, None)]
 
 
 @torch.inference_mode()

@@ -178,7 +178,7 @@ class XPressDataCollator:
     """
 
     block_size: int
-    anchors_per_sequence: int = 8
+    anchors_per_sequence: int = XPressTrainingArguments.anchors_per_sequence  # declared (and documented) once, there
     pad_token_id: int = 0
     max_length: int | None = None
     seed: int = 0
@@ -479,9 +479,9 @@ class XPressObjective(nn.Module):
         target: PreTrainedModel,
         *,
         gamma: float,
-        ce_weight: float = 1.0,
-        l1_weight: float = 1.0,
-        consistency_weight: float = 0.3,
+        ce_weight: float = XPressTrainingArguments.ce_weight,  # the objective's defaults are the arguments' defaults
+        l1_weight: float = XPressTrainingArguments.l1_weight,
+        consistency_weight: float = XPressTrainingArguments.consistency_weight,
     ):
         super().__init__()
         self.xpress = xpress
@@ -499,12 +499,6 @@ class XPressObjective(nn.Module):
     def _drafter_trainable(self) -> bool:
         return any(p.requires_grad for name, p in self.core.named_parameters() if not name.startswith("refiner."))
 
-    def _delta(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-        """Head correction δ (N, n, V) from drafter states (N, n, H) and previous tokens x_0..x_{n-1} (N, n)."""
-        if self.core.config.refiner == "markov":
-            return self.core.refiner(previous)
-        return self.core.refiner(hidden, previous)
-
     def _loss(self, logits, signals, labels, weights) -> DistributionLoss:
         return distribution_loss(logits, signals.probs, labels, weights, self.ce_weight, self.l1_weight)
 
@@ -515,7 +509,7 @@ class XPressObjective(nn.Module):
         anchor_mask: torch.BoolTensor,
         labels: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
-        anchor_weight: float = 0.6,
+        anchor_weight: float = XPressTrainingArguments.anchor_weight_start,
     ) -> XPressObjectiveOutput:
         """Batch from `XPressDataCollator` → total loss and metrics. `anchor_weight` is λ of the current step."""
         core = self.core
@@ -534,16 +528,16 @@ class XPressObjective(nn.Module):
         weights = position_weights(config.num_draft_tokens, self.gamma, device=base.device)
 
         terms: dict[str, DistributionLoss] = {"base": self._loss(base, signals, labels, weights)}
-        if core.refiner is None:  # dFlash's own objective: the drafter's distribution is the draft distribution
+        if not core.refiner.corrects:  # dFlash's own objective: the drafter's distribution is the draft distribution
             loss, main = terms["base"].loss, "base"
         else:
             # p^r: teacher forcing, the head sees the gold previous tokens [anchor, x*_1..x*_{n-1}]. Ignored labels
             # only ever feed ignored positions (validity is a prefix), so their placeholder ids do not matter.
             gold = previous_tokens(anchor_ids, labels.clamp(min=0))
-            terms["refined"] = self._loss(base + self._delta(hidden, gold), signals, labels, weights)
+            terms["refined"] = self._loss(base + core.refiner(hidden, gold), signals, labels, weights)
             # p̂^r: the head fed the drafter's own argmax, the seed Jacobi refinement starts from.
             drafted = previous_tokens(anchor_ids, base.detach().argmax(dim=-1))
-            terms["consistency"] = self._loss(base + self._delta(hidden, drafted), signals, labels, weights)
+            terms["consistency"] = self._loss(base + core.refiner(hidden, drafted), signals, labels, weights)
             loss = (
                 terms["refined"].loss
                 + anchor_weight * terms["base"].loss
@@ -558,7 +552,7 @@ class XPressObjective(nn.Module):
             metrics[f"ce_{name}"] = _mean_metric(term.ce, term.valid)
             metrics[f"l1_{name}"] = _mean_metric(term.l1, term.valid)
             metrics[f"accept_{name}"] = _mean_metric(term.accept, term.valid)
-        if core.refiner is not None:
+        if core.refiner.corrects:
             metrics["anchor_weight"] = torch.stack([torch.tensor(float(anchor_weight), device=base.device), one])
         accept = terms[main].accept  # (N, n), of the distribution drafts are drawn from
         for k in range(config.num_draft_tokens):
@@ -581,7 +575,7 @@ def prepare_for_training(xpress: XPressModel, args: XPressTrainingArguments) -> 
     it and `merge_and_unload` puts the trained copy back in place.
     """
     if args.train_mode == "refiner":
-        if xpress.refiner is None:
+        if not xpress.refiner.corrects:
             raise ValueError(
                 "train_mode='refiner' trains only the head, but this model has refiner='none'. Use train_mode='full' "
                 "(or 'lora') to train the drafter alone."
@@ -598,7 +592,7 @@ def prepare_for_training(xpress: XPressModel, args: XPressTrainingArguments) -> 
         lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout,
         target_modules=list(args.lora_target_modules),
-        modules_to_save=["refiner"] if xpress.refiner is not None else None,
+        modules_to_save=["refiner"] if xpress.refiner.corrects else None,
     )
     return get_peft_model(xpress, lora)
 

@@ -249,13 +249,13 @@ def reference_losses(model, target, batch, gamma, ce_weight, l1_weight) -> dict[
             ).last_hidden_state[:, 1:]
             base = lm_head(hidden)[0]  # (n, V)
             logits = {"base": base}
-            if model.refiner is not None:
+            if model.refiner.corrects:
                 gold = ids[0, t : t + N]  # [anchor, x*_1..x*_{n-1}] (past the sequence end: unused filler)
                 gold = torch.cat([gold, torch.zeros(N - len(gold), dtype=torch.long)])
                 drafted = torch.cat([ids[0, t : t + 1], base.argmax(-1)[:-1]])
                 for name, previous in (("refined", gold), ("consistency", drafted)):
                     if config.refiner == "markov":
-                        delta = model.refiner(previous[None])
+                        delta = model.refiner.bias(previous[None])  # the definition: a bias per previous token
                     else:
                         delta = model.refiner(hidden, previous[None])
                     logits[name] = base + delta[0]
@@ -351,7 +351,7 @@ def heldout_acceptance(model, target, batch) -> float:
     """Mean 1 − TV(p, p^t) on held-out blocks, of the distribution drafts are drawn from (p^r, or p^b without head)."""
     with torch.no_grad():
         metrics = XPressObjective(model, target, gamma=3.5)(**batch).metrics
-    total, count = metrics["accept_base" if model.refiner is None else "accept_refined"]
+    total, count = metrics["accept_refined" if model.refiner.corrects else "accept_base"]
     return (total / count).item()
 
 

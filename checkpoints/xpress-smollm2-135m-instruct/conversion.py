@@ -74,19 +74,15 @@ def dflash_config_to_xpress(raw: dict, **overrides) -> XPressConfig:
         num_attention_heads=raw["num_attention_heads"],
         num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
         head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=raw.get("max_position_embeddings", 40960),
-        attention_bias=raw.get("attention_bias", False),
-        hidden_act=raw.get("hidden_act", "silu"),
-        block_size=raw.get("block_size", 16),
         mask_token_id=nested.get("mask_token_id", raw.get("mask_token_id")),
         target_layer_ids=nested.get("target_layer_ids", raw.get("target_layer_ids")),
     )
-    rope = raw.get("rope_parameters") or {"rope_type": "default", "rope_theta": raw.get("rope_theta", 1_000_000.0)}
-    fields["rope_parameters"] = rope
-    for key in ("vocab_size", "num_target_layers", "bos_token_id", "eos_token_id", "pad_token_id"):
-        if raw.get(key) is not None:
-            fields[key] = raw[key]
+    # Fields the dFlash config may leave out keep XPressConfig's own defaults (declared once, there); a flat
+    # `rope_theta` is honoured by XPressConfig itself.
+    optional = ("rms_norm_eps", "max_position_embeddings", "attention_bias", "hidden_act", "block_size",
+                "rope_parameters", "rope_theta", "vocab_size", "num_target_layers", "bos_token_id", "eos_token_id",
+                "pad_token_id")  # fmt: skip
+    fields.update({key: raw[key] for key in optional if raw.get(key) is not None})
     fields.update(overrides)
     if "num_target_layers" not in fields:
         raise ValueError(

@@ -104,6 +104,51 @@ class XPressDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+class Readout(nn.Linear):
+    """A head's vocabulary readout W_r (r → V, no bias), initialised to zero: a fresh head adds δ = 0, so it starts as
+    the plain drafter and never hurts a converted one. (A Linear of its own, because transformers skips the init of
+    a module without direct parameters, such as the Markov head, so the head itself cannot zero it.)"""
+
+    def __init__(self, rank: int, vocab_size: int):
+        super().__init__(rank, vocab_size, bias=False)
+
+
+class CorrectionHead(nn.Module):
+    """What every correction head offers the drafter (`config.refiner` picks one from `HEADS`).
+
+    * `forward(hidden, previous)` → δ (b, n, V): the correction of the drafter's logits given its hidden states
+      h_1..h_n (b, n, H) and the previous tokens x_0..x_{n-1} (b, n) — teacher-forced, as training uses it;
+    * `decode(hidden, base_logits, anchor_ids, ...)` → `RefinementResult`: one block's draft tokens and the
+      distribution each was drawn from, however the head resolves its causal dependency;
+    * `init_fresh()`: the state of the head's own tensors before training (its `Readout` starts at zero, so a fresh
+      head adds δ = 0).
+
+    `corrects` is False only for `NoHead` (plain dFlash): there is nothing to train and δ ≡ 0. `iterative` says whether
+    `max_iters` / `early_exit` change the decode (the Jacobi K sweep applies); `decode_name` names the decode in
+    benchmarks.
+    """
+
+    corrects: bool = True
+    iterative: bool = False
+    decode_name: str = ""
+
+    def init_fresh(self) -> None:
+        pass
+
+    def decode(
+        self,
+        hidden: torch.Tensor,
+        base_logits: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        *,
+        logits_transform=None,
+        noise: torch.Tensor | None = None,
+        max_iters: int,
+        early_exit: bool = True,
+    ) -> RefinementResult:
+        raise NotImplementedError
+
+
 @dataclass
 class FoldedRefiner:
     """Inference form of the refiner's linear front end (paper §4.1, "Low overhead").
@@ -119,7 +164,7 @@ class FoldedRefiner:
     mix: torch.Tensor  # (r, n, n) = I + strictly-lower L
 
 
-class XPressRefiner(nn.Module):
+class XPressRefiner(CorrectionHead):
     """The causal refiner R_θ of paper eqs. (5)–(9): δ_k depends on tokens only through x_{<k}.
 
     Fuse  a_k = W_in [W_h h_k ‖ W_g g ‖ W_e[x_{k-1}]]
@@ -127,6 +172,9 @@ class XPressRefiner(nn.Module):
     Trans z_k = c_k + W_2 σ(W_1 c_k)
     Read  δ_k = W_r z_k   (added to the drafter's logits, never replacing them)
     """
+
+    iterative = True
+    decode_name = "jacobi"
 
     def __init__(self, config: XPressConfig):
         super().__init__()
@@ -139,10 +187,22 @@ class XPressRefiner(nn.Module):
         self.up = nn.Linear(r, 2 * r)  # W_1
         self.down = nn.Linear(2 * r, r)  # W_2
         self.act = nn.SiLU()  # σ
-        self.readout = nn.Linear(r, config.vocab_size, bias=False)  # W_r
+        self.readout = Readout(r, config.vocab_size)  # W_r
         self.register_buffer("causal_mask", torch.tril(torch.ones(n, n), diagonal=-1), persistent=False)
         self._folded: FoldedRefiner | None = None
         self._folded_key: tuple | None = None
+
+    def init_fresh(self) -> None:
+        init.zeros_(self.mix)
+        n = self.causal_mask.shape[0]
+        init.copy_(self.causal_mask, torch.tril(torch.ones(n, n), diagonal=-1))
+
+    def decode(self, hidden, base_logits, anchor_ids, *, logits_transform=None, noise=None, max_iters, early_exit=True):
+        """Jacobi refinement (Algorithm 1) with the folded operators: K parallel passes instead of n serial ones."""
+        return jacobi_refine(
+            self, hidden, base_logits, anchor_ids, logits_transform=logits_transform, noise=noise,
+            max_iters=max_iters, early_exit=early_exit,
+        )  # fmt: skip
 
     def mix_operator(self) -> torch.Tensor:
         """(r, n, n) operator I + L with L masked to its strictly-lower triangle."""
@@ -202,20 +262,51 @@ class XPressRefiner(nn.Module):
         return self.trans_read(c)
 
 
-class MarkovHead(nn.Module):
+class MarkovHead(CorrectionHead):
     """DSpark's Markov head (paper §5 baseline): δ_k = W_r W_e[x_{k-1}], a bias indexed by the previous token only.
 
     It is causal by construction but has no view of the drafter's hidden states, and it is decoded serially.
     """
 
+    decode_name = "serial"
+
     def __init__(self, config: XPressConfig):
         super().__init__()
         self.token_embed = nn.Embedding(config.vocab_size, config.refiner_rank)
-        self.readout = nn.Linear(config.refiner_rank, config.vocab_size, bias=False)
+        self.readout = Readout(config.refiner_rank, config.vocab_size)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (..., n) previous tokens → δ (..., n, V)."""
+    def bias(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (...) → δ (..., V): the bias of the position after each token."""
         return self.readout(self.token_embed(tokens))
+
+    def forward(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """δ (b, n, V) from the previous tokens alone (the hidden states are not read)."""
+        return self.bias(previous)
+
+    def decode(self, hidden, base_logits, anchor_ids, *, logits_transform=None, noise=None, max_iters=0, early_exit=True):
+        """The serial decode: n dependent steps, whatever `max_iters` says."""
+        return markov_decode(self, base_logits, anchor_ids, logits_transform=logits_transform, noise=noise)
+
+
+class NoHead(CorrectionHead):
+    """refiner="none": plain dFlash, every position decoded from the drafter's own marginals. No parameters."""
+
+    corrects = False
+    decode_name = "argmax"
+
+    def __init__(self, config: XPressConfig):
+        super().__init__()
+        self.vocab_size = config.vocab_size
+
+    def forward(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        return hidden.new_zeros(*previous.shape, self.vocab_size)
+
+    def decode(self, hidden, base_logits, anchor_ids, *, logits_transform=None, noise=None, max_iters=0, early_exit=True):
+        return plain_decode(base_logits, logits_transform=logits_transform, noise=noise)
+
+
+# config.refiner → head class. Adding a head is one class here and its name in configuration_xpress.REFINER_TYPES.
+HEADS: dict[str, type[CorrectionHead]] = {"xpress": XPressRefiner, "markov": MarkovHead, "none": NoHead}
 
 
 class XPressPreTrainedModel(PreTrainedModel):
@@ -231,13 +322,10 @@ class XPressPreTrainedModel(PreTrainedModel):
         # Linear/Embedding/RMSNorm and the RoPE buffers follow transformers' defaults. Every tensor, including the
         # non-persistent buffers below, must be (re)built here: from_pretrained creates modules on the meta device.
         super()._init_weights(module)
-        if isinstance(module, (XPressRefiner, MarkovHead)):
-            # A fresh head adds δ = 0, so it starts as the plain drafter and never hurts a converted checkpoint.
-            init.zeros_(module.readout.weight)
-        if isinstance(module, XPressRefiner):
-            init.zeros_(module.mix)
-            n = module.causal_mask.shape[0]
-            init.copy_(module.causal_mask, torch.tril(torch.ones(n, n), diagonal=-1))
+        if isinstance(module, Readout):
+            init.zeros_(module.weight)  # δ = 0: a fresh head starts as the plain drafter
+        if isinstance(module, CorrectionHead):
+            module.init_fresh()
         if isinstance(module, XPressModel) and module.mask_embedding is not None:
             init.normal_(module.mask_embedding, mean=0.0, std=self.config.initializer_range)
 
@@ -260,16 +348,10 @@ class XPressModel(XPressPreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         # Learned mask vector, for targets without a spare embedding row (config.mask_token_id is None).
         self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if config.mask_token_id is None else None
-        if config.refiner == "xpress":
-            self.refiner = XPressRefiner(config)
-        elif config.refiner == "markov":
-            self.refiner = MarkovHead(config)
-        else:
-            self.refiner = None
+        self.refiner = HEADS[config.refiner](config)
         # Statistics of the last `generate(assistant_model=self)` / `spec_generate` call.
         self.generation_stats = None
         self.post_init()
-        install_generation_hook()
 
     # --- inputs --------------------------------------------------------------------------------------------------
 
@@ -385,22 +467,17 @@ class XPressModel(XPressPreTrainedModel):
         hidden: (b, n, H) drafter states of the draft positions; base_logits: (b, n, V); anchor_ids: (b,).
         `logits_transform` maps raw logits to the processed logits a token is decoded from (temperature, top-k/p);
         `noise` is the block's fixed Gumbel noise (None → greedy). xPress runs Jacobi iterations, the Markov head a
-        serial decode, and `refiner="none"` decodes the drafter's marginals.
+        serial decode, and `refiner="none"` decodes the drafter's marginals (`CorrectionHead.decode`).
         """
-        if self.config.refiner == "xpress":
-            return jacobi_refine(
-                self.refiner,
-                hidden,
-                base_logits,
-                anchor_ids,
-                logits_transform=logits_transform,
-                noise=noise,
-                max_iters=self.config.jacobi_max_iters if max_iters is None else max_iters,
-                early_exit=self.config.jacobi_early_exit if early_exit is None else early_exit,
-            )
-        if self.config.refiner == "markov":
-            return markov_decode(self.refiner, base_logits, anchor_ids, logits_transform=logits_transform, noise=noise)
-        return plain_decode(base_logits, logits_transform=logits_transform, noise=noise)
+        return self.refiner.decode(
+            hidden,
+            base_logits,
+            anchor_ids,
+            logits_transform=logits_transform,
+            noise=noise,
+            max_iters=self.config.jacobi_max_iters if max_iters is None else max_iters,
+            early_exit=self.config.jacobi_early_exit if early_exit is None else early_exit,
+        )
 
     # --- generation ----------------------------------------------------------------------------------------------
 
@@ -432,4 +509,10 @@ class XPressModel(XPressPreTrainedModel):
         return load_dflash(cls, path, **overrides)
 
 
-__all__ = ["XPressModel", "XPressPreTrainedModel", "XPressRefiner", "MarkovHead"]
+# The one side effect of loading xPress, whether as the package or as a checkpoint's own code with
+# trust_remote_code (both import this file before any model exists): route xPress assistants in `generate` to
+# `XPressCandidateGenerator`. Idempotent and guarded; `generation.install_generation_hook` says what it changes.
+install_generation_hook()
+
+
+__all__ = ["XPressModel", "XPressPreTrainedModel", "CorrectionHead", "XPressRefiner", "MarkovHead", "NoHead", "HEADS"]

@@ -140,7 +140,7 @@ def markov_decode(
     for k in range(n):
         # One position at a time, kept 3-D (b, 1, V): a logits transform takes a block of positions.
         step_noise = None if noise is None else noise[:, k : k + 1]
-        step_logits, previous = decode(base_logits[:, k : k + 1] + head(previous), logits_transform, step_noise)
+        step_logits, previous = decode(base_logits[:, k : k + 1] + head.bias(previous), logits_transform, step_noise)
         logits[:, k], tokens[:, k] = step_logits[:, 0], previous[:, 0]
     return RefinementResult(tokens=tokens, logits=logits, iterations=torch.full((b,), n, device=tokens.device))
 
