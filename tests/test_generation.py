@@ -2,13 +2,15 @@
 
 import pytest
 import torch
-from transformers import GenerationMixin, pipeline
+from transformers import DynamicCache, GenerationMixin, pipeline
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 
 import modeling_xpress.generation as xgen
-from modeling_xpress import XPressCandidateGenerator, XPressConfig, XPressModel, install_generation_hook
-from tests.builders import perfect_head, permutation_target, tiny_llama, tiny_qwen3, tiny_tokenizer, tiny_xpress
+from modeling_xpress import XPressCandidateGenerator, XPressConfig, install_generation_hook
+from tests.builders import (
+    oracle_drafter, perfect_head, permutation_target, tiny_llama, tiny_qwen3, tiny_tokenizer, tiny_xpress,
+)  # fmt: skip
 
 REFINERS = ["xpress", "markov", "none"]
 TARGETS = {"llama": tiny_llama, "qwen3": tiny_qwen3}
@@ -148,13 +150,88 @@ def test_native_dflash_generator_runs_our_drafter(target, refiner):
         assert xpress.config.mask_token_id == mask_token_id  # the placeholder id was restored
 
 
-def test_native_dflash_drafts_equal_our_drafter_without_refiner():
-    """Both generators see the same drafter, so with refiner="none" their τ sequences agree step for step."""
-    target, perm = permutation_target(vocab_size=32)
-    xpress = tiny_xpress(target, refiner="none", block_size=6)
-    ids = torch.tensor([[4, 8, 15]])
-    target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=xpress)
-    ours = list(xpress.generation_stats.acceptance_lengths)
+# --- a drafter right up to a random position: every acceptance length, known in advance ---------------------------
+#
+# `oracle_drafter` makes the drafter propose the permutation target's own continuation, wrong from a seeded position
+# k ∈ 1..B on (k = B: the whole block is right), so under greedy verification τ = k for every uncut block. Token 0
+# lies on a cycle of 63 distinct tokens of the 64-token permutation, so no token repeats in the runs below and the
+# EOS token chosen from the chain occurs exactly once.
+
+ORACLE_BLOCK = 6
+ORACLE_PROMPT = torch.tensor([[7, 0]])
+ORACLE_MAX_NEW = 57  # the last block is cut: 2 tokens are left when a block that would accept 4 is verified
+
+
+def oracle_pair(refiner: str, randomize_head: bool = False):
+    """(target, xpress, first_wrong): heads at δ = 0 unless `randomize_head`, so the drafts are the designed ones."""
+    target, perm = permutation_target(vocab_size=64)
+    xpress = tiny_xpress(target, refiner=refiner, randomize_head=randomize_head, block_size=ORACLE_BLOCK)
+    return target, xpress, oracle_drafter(xpress, target, perm)
+
+
+def implied_steps(first_wrong, greedy: torch.Tensor, prompt_len: int, max_new_tokens: int, eos: int | None = None):
+    """(anchor position, τ) of every verification of a draft, as the construction implies: the slow reference of the
+    accept / roll back / stop rules. `greedy` is the target's greedy decode without EOS, at least max_new_tokens long.
+
+    After the prefill's token, each step drafts min(B - 1, tokens left - 1) tokens after the last committed one (none
+    when one token is left: the target emits it alone and no τ is recorded); drafts 1..k-1 match, so τ = min(k, drafts
+    + 1), then cut after an EOS.
+    """
+    new = greedy[0, prompt_len:].tolist()
+    steps, done = [], 1
+    while done < max_new_tokens and new[done - 1] != eos:
+        drafts = min(ORACLE_BLOCK - 1, max_new_tokens - done - 1)
+        if drafts == 0:
+            break
+        position = prompt_len + done - 1  # the anchor: the last committed token
+        committed = new[done : done + min(first_wrong(position), drafts + 1)]
+        if eos in committed:
+            committed = committed[: committed.index(eos) + 1]
+        steps.append((position, len(committed)))
+        done += len(committed)
+    return steps
+
+
+def run_entry(entry: str, target, xpress, ids: torch.Tensor, max_new_tokens: int):
+    """Greedy output and recorded τ of one entry point (spec_generate stops at the target's EOS by default)."""
+    if entry == "generate":
+        out = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=xpress)
+    else:
+        out = xpress.spec_generate(target, ids, max_new_tokens=max_new_tokens).sequences
+    return out, list(xpress.generation_stats.acceptance_lengths)
+
+
+def test_oracle_drafter_drafts_the_chain_until_its_first_wrong_position():
+    """The construction itself, block by block through `draft_block`: drafts 1..k-1 are the target's continuation,
+    draft k is not, for k = first_wrong(block position), which takes every value 1..B over the positions used below."""
+    target, xpress, first_wrong = oracle_pair("none")
+    _, perm = permutation_target(vocab_size=64)
+    positions = range(ORACLE_PROMPT.shape[1], ORACLE_PROMPT.shape[1] + ORACLE_MAX_NEW)
+    assert {first_wrong(p) for p in positions} == set(range(1, ORACLE_BLOCK + 1))
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    features = torch.randn(1, 1, xpress.fc.in_features, generator=torch.Generator().manual_seed(0))
+    anchors = torch.randint(0, 64, (len(positions),), generator=torch.Generator().manual_seed(1)).tolist()
+    for position, anchor in zip(positions, anchors):
+        with torch.no_grad():  # one context token at position - 1, then the block [anchor, masks] from `position` on
+            drafts = xgen.draft_block(xpress, embed, lm_head, torch.tensor([anchor]), features, position - 1,
+                                      DynamicCache(config=xpress.config)).tokens[0].tolist()  # fmt: skip
+        chain = [anchor]
+        for _ in range(ORACLE_BLOCK - 1):
+            chain.append(int(perm[chain[-1]]))
+        k = first_wrong(position)
+        assert drafts[: k - 1] == chain[1:k], (position, drafts, chain)
+        assert k == ORACLE_BLOCK or drafts[k - 1] != chain[k], (position, drafts, chain)
+
+
+def test_native_dflash_and_our_generator_agree_step_for_step():
+    """Both generators see the same drafter, so with refiner="none" their τ sequences agree step for step, over a run
+    whose τ takes every value 1..B."""
+    target, xpress, first_wrong = oracle_pair("none")
+    expected = target.generate(ORACLE_PROMPT, max_new_tokens=ORACLE_MAX_NEW, do_sample=False)
+    ours = [tau for _, tau in implied_steps(first_wrong, expected, ORACLE_PROMPT.shape[1], ORACLE_MAX_NEW)]
+    assert set(ours) == set(range(1, ORACLE_BLOCK + 1))  # not a run of τ = 1: every acceptance length occurs
+    got, recorded_ours = run_entry("generate", target, xpress, ORACLE_PROMPT, ORACLE_MAX_NEW)
+    assert torch.equal(got, expected) and recorded_ours == ours
     recorded = []
     original = xgen.DFlashTokenCandidateGenerator.update_candidate_strategy
 
@@ -164,10 +241,63 @@ def test_native_dflash_drafts_equal_our_drafter_without_refiner():
 
     xgen.DFlashTokenCandidateGenerator.update_candidate_strategy = record
     try:
-        target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=xpress, speculation_type="dflash")
+        native = target.generate(ORACLE_PROMPT, max_new_tokens=ORACLE_MAX_NEW, do_sample=False, assistant_model=xpress,
+                                 speculation_type="dflash")  # fmt: skip
     finally:
         xgen.DFlashTokenCandidateGenerator.update_candidate_strategy = original
-    assert recorded[1 : 1 + len(ours)] == ours  # recorded[0] is the prefill step
+    assert torch.equal(native, expected)
+    assert recorded == [1] + ours  # recorded[0] is the prefill step
+
+
+@pytest.mark.parametrize("entry", ["generate", "spec_generate"])
+@pytest.mark.parametrize("refiner", REFINERS)
+def test_every_head_records_the_acceptance_lengths_the_construction_implies(refiner, entry):
+    """Partial blocks roll back, whole blocks are accepted, a max_new_tokens that cuts the last block and an EOS inside
+    a block end generation where the target's greedy decode does, and τ is exactly what the construction implies."""
+    target, xpress, first_wrong = oracle_pair(refiner)
+    prompt_len = ORACLE_PROMPT.shape[1]
+    greedy = target.generate(ORACLE_PROMPT, max_new_tokens=ORACLE_MAX_NEW, do_sample=False)
+    steps = implied_steps(first_wrong, greedy, prompt_len, ORACLE_MAX_NEW)
+    taus = [tau for _, tau in steps]
+    assert set(taus) == set(range(1, ORACLE_BLOCK + 1))  # rolled-back blocks of every length and whole ones
+
+    got, recorded = run_entry(entry, target, xpress, ORACLE_PROMPT, ORACLE_MAX_NEW)
+    assert torch.equal(got, greedy)
+    assert recorded == taus
+    last_position, last_tau = steps[-1]
+    assert 1 + sum(taus) == ORACLE_MAX_NEW and last_tau < first_wrong(last_position)  # the last block was cut
+
+    # EOS = the 2nd token of the first later block that would accept ≥ 3: a draft, inside the block, that ends it.
+    step = next(j for j, (_, tau) in enumerate(steps) if j >= 2 and tau >= 3)
+    position = steps[step][0]
+    eos = int(greedy[0, position + 2])
+    target.generation_config.eos_token_id = eos
+    expected = target.generate(ORACLE_PROMPT, max_new_tokens=ORACLE_MAX_NEW, do_sample=False)
+    eos_steps = implied_steps(first_wrong, greedy, prompt_len, ORACLE_MAX_NEW, eos=eos)
+    assert expected.shape[1] == position + 3 < prompt_len + ORACLE_MAX_NEW  # EOS stopped the target early
+    assert eos_steps[-1] == (position, 2) and first_wrong(position) >= 3  # the block was cut by its EOS
+    got, recorded = run_entry(entry, target, xpress, ORACLE_PROMPT, ORACLE_MAX_NEW)
+    assert torch.equal(got, expected)
+    assert recorded == [tau for _, tau in eos_steps]
+
+
+@pytest.mark.parametrize("refiner", REFINERS)
+def test_random_heads_on_the_oracle_drafter_stay_exact(refiner):
+    """Heads whose δ moves some of the designed drafts: τ departs from the construction, the output does not, through
+    every entry point (the native dFlash generator bypasses the head)."""
+    target, xpress, first_wrong = oracle_pair(refiner, randomize_head=True)
+    if refiner != "none":
+        with torch.no_grad():  # δ of the order of the designed logit margin (20): some drafts move, some survive
+            xpress.refiner.readout.weight.mul_({"xpress": 0.1, "markov": 10.0}[refiner])
+    greedy = target.generate(ORACLE_PROMPT, max_new_tokens=ORACLE_MAX_NEW, do_sample=False)
+    implied = [tau for _, tau in implied_steps(first_wrong, greedy, ORACLE_PROMPT.shape[1], ORACLE_MAX_NEW)]
+    for entry in ("generate", "spec_generate"):
+        got, recorded = run_entry(entry, target, xpress, ORACLE_PROMPT, ORACLE_MAX_NEW)
+        assert torch.equal(got, greedy), entry
+        assert (recorded != implied) == (refiner != "none") and max(recorded) > 1, (entry, recorded)
+    native = target.generate(ORACLE_PROMPT, max_new_tokens=ORACLE_MAX_NEW, do_sample=False, assistant_model=xpress,
+                             speculation_type="dflash")  # fmt: skip
+    assert torch.equal(native, greedy)
 
 
 # --- the hook ------------------------------------------------------------------------------------------------------
@@ -291,7 +421,6 @@ def test_model_never_stores_target_tables():
     xpress = tiny_xpress(target)
     names = [n for n, _ in xpress.named_parameters()]
     assert not any("embed_tokens" in n or "lm_head" in n for n in names)
-    assert isinstance(xpress, XPressModel)
 
 
 # --- logits processors, inputs and targets generate() accepts -------------------------------------------------------
@@ -354,20 +483,23 @@ def test_sliding_window_target_greedy_identity():
     """A target whose cache keeps only a window must still be rolled back exactly past the window."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    torch.manual_seed(0)
-    config = MistralConfig(
+    fields = dict(
         vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8, bos_token_id=None,
-        eos_token_id=None, pad_token_id=None,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None,
     )  # fmt: skip
-    target = MistralForCausalLM(config).eval()
+    torch.manual_seed(0)
+    target = MistralForCausalLM(MistralConfig(sliding_window=8, **fields)).eval()
+    full_attention = MistralForCausalLM(MistralConfig(sliding_window=None, **fields)).eval()
+    full_attention.load_state_dict(target.state_dict())  # the same weights, attending to everything
+    cases = [(ids, target.generate(ids, max_new_tokens=40, do_sample=False)) for ids in prompts(96, n=2, seed=3)]
+    for ids, expected in cases:  # the window was really passed: it changes the target's own decode
+        assert not torch.equal(full_attention.generate(ids, max_new_tokens=40, do_sample=False), expected)
     for refiner in REFINERS:
         xpress = tiny_xpress(target, refiner=refiner)
-        for ids in prompts(96, n=2, seed=3):
-            expected = target.generate(ids, max_new_tokens=40, do_sample=False)
+        for ids, expected in cases:
             assert torch.equal(xpress.spec_generate(target, ids, max_new_tokens=40).sequences, expected)
             assert torch.equal(target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=xpress), expected)
-            assert ids.shape[1] + 40 > 2 * config.sliding_window  # the window was really passed
 
 
 def test_bfloat16_drafter_serves_float32_target(llama):
@@ -376,7 +508,6 @@ def test_bfloat16_drafter_serves_float32_target(llama):
     expected = llama.generate(ids, max_new_tokens=30, do_sample=False)
     for refiner in REFINERS:
         xpress = tiny_xpress(llama, refiner=refiner).to(torch.bfloat16)
-        assert xpress.dtype == torch.bfloat16 and llama.dtype == torch.float32
         assert torch.equal(llama.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=xpress), expected)
         assert torch.equal(
             llama.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=xpress, speculation_type="dflash"),

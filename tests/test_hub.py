@@ -154,7 +154,6 @@ def test_custom_generate_runs_from_a_moved_folder(saved, tmp_path):
     root, target, xpress = saved
     xpress.save_pretrained(tmp_path / "before")
     moved = shutil.move(tmp_path / "before", tmp_path / "after")
-    assert not (tmp_path / "before").exists()
     ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(3))
     expected = target.generate(ids, max_new_tokens=25, do_sample=False)
     got = target.generate(ids, max_new_tokens=25, do_sample=False, custom_generate=str(moved), trust_remote_code=True)

@@ -20,6 +20,8 @@ from modeling_xpress.benchmark import chat_prompt_ids
 from modeling_xpress.demo import BUNDLED_CHECKPOINT, DEMO_PROMPTS
 from modeling_xpress.hub_files import RECIPE
 
+pytestmark = pytest.mark.slow  # minutes on a 2-core CPU; `pytest -m "not slow"` skips them
+
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "What is 17 times 23? Explain briefly.",

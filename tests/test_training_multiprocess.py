@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from modeling_xpress import XPressModel
+
+pytestmark = pytest.mark.slow  # two training processes: `pytest -m "not slow"` skips it
 
 ROOT = Path(__file__).resolve().parents[1]
 
