@@ -2,7 +2,8 @@
 
 Stages (each a run of examples/train_refiner.py, so every stage is also reproducible by hand):
 
-1. ``drafter``  — a drafter trained from scratch with dFlash's own objective (``--refiner none``);
+1. ``drafter``  — a drafter trained with dFlash's own objective (``--refiner none``), from random weights or, with
+   ``--drafter-init target``, from the target's last layers (``modeling_xpress.target_init``);
 2. from those same weights, three continuations with an equal step budget:
    ``dflash`` (no head: the baseline), ``markov`` (DSpark's Markov head), ``xpress`` (the causal refiner).
 
@@ -14,6 +15,9 @@ logged losses.
 
 Defaults are the settings of the bundled checkpoint's run (measured: 58 min for the drafter and 8-11 min per head on
 two cores with the target in bf16); `--drafter-steps 400 --head-steps 150 --anchors 8 --threads 1` was the pilot.
+One difference from that run: its drafter had QK-norm, while a SmolLM2 drafter built now has none
+(`XPressConfig.from_target_config` follows the Llama target, `qk_norm=False`), whether it starts from scratch or from
+the target.
 """
 
 import argparse
@@ -77,6 +81,8 @@ def main() -> None:
     parser.add_argument("--drafter-steps", type=int, default=1000)
     parser.add_argument("--head-steps", type=int, default=150, help="equal budget for each continuation")
     parser.add_argument("--num-draft-layers", type=int, default=2)
+    parser.add_argument("--drafter-init", choices=["scratch", "target"], default="scratch",
+                        help="drafter stage: random weights, or the target's last --num-draft-layers layers")
     parser.add_argument("--refiner-rank", type=int, default=64, help="rank of the Markov and xPress heads")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--anchors", type=int, default=32, help="blocks drawn per sequence")
@@ -95,6 +101,8 @@ def main() -> None:
         if stage == "drafter":
             extra = ["--refiner", "none", "--block_size", "16", "--num_draft_layers", str(args.num_draft_layers),
                      "--max_steps", str(args.drafter_steps), "--warmup_steps", "20"]  # fmt: skip
+            if args.drafter_init == "target":
+                extra += ["--init_from_target_layers", "last"]
         else:
             extra = ["--init_from", str(drafter), "--refiner", REFINER_OF[stage], "--refiner_rank",
                      str(args.refiner_rank), "--max_steps", str(args.head_steps), "--warmup_steps", "10"]  # fmt: skip

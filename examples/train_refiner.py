@@ -10,6 +10,12 @@ start torchrun-style processes, and they train on CPU with gloo):
 
     accelerate launch --num_processes 2 examples/train_refiner.py ...
 
+A drafter whose layers start as the target's last ones instead of random weights (`modeling_xpress.target_init`;
+Llama, Mistral and Qwen3 targets):
+
+    python examples/train_refiner.py --target path/to/target --init_from_target_layers last --num_draft_layers 2 \
+        --refiner none --data responses.parquet --output_dir runs/drafter --max_steps 2000 --bf16
+
 Smoke test without any download (a tiny random Llama target and synthetic target-written data):
 
     python examples/train_refiner.py --target tiny-random --output_dir /tmp/xpress-smoke --max_steps 4
@@ -31,6 +37,7 @@ from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, Ll
 
 from modeling_xpress import XPressConfig, XPressModel
 from modeling_xpress.assets import DTYPES
+from modeling_xpress.target_init import init_drafter_from_target
 from modeling_xpress.training import XPressTrainer, XPressTrainingArguments, with_fresh_head
 
 TINY_RANDOM = "tiny-random"
@@ -46,6 +53,12 @@ class ScriptArguments:
     init_from: str = field(
         default="",
         metadata={"help": "A dFlash folder (converted, fresh head), an xPress folder, or empty for a fresh drafter."},
+    )
+    init_from_target_layers: str = field(
+        default="",
+        metadata={"help": "Fresh drafter only: start its layers from the target's instead of random weights, 'last' "
+                  "(the target's last --num_draft_layers layers) or comma-separated layer indices, e.g. '14,29' "
+                  "(modeling_xpress.target_init). Not with --init_from."},
     )
     data: str = field(
         default="",
@@ -129,16 +142,35 @@ def load_data(args: ScriptArguments, target, seed: int) -> datasets.Dataset:
     return data
 
 
+def copied_target_layers(value: str) -> str | list[int]:
+    """`--init_from_target_layers`: 'last' or comma-separated target layer indices."""
+    if value == "last":
+        return value
+    try:
+        return [int(part) for part in value.split(",")]
+    except ValueError:
+        raise ValueError(f"--init_from_target_layers must be 'last' or comma-separated integers, got {value!r}") from None
+
+
 def build_drafter(args: ScriptArguments, target) -> XPressModel:
-    """Fresh drafter, a converted dFlash checkpoint, or an existing xPress checkpoint (`--init_from`)."""
+    """Fresh drafter (random, or starting from the target's layers), a converted dFlash checkpoint, or an existing
+    xPress checkpoint (`--init_from`)."""
     head = {"refiner_rank": args.refiner_rank}
     if args.refiner is not None:
         head["refiner"] = args.refiner
+    if args.init_from and args.init_from_target_layers:
+        raise ValueError(
+            "--init_from (a checkpoint) and --init_from_target_layers (the target's own layers) both say where the "
+            "drafter starts: pass one of them"
+        )
     if not args.init_from:
         shape = dict(block_size=args.block_size, num_hidden_layers=args.num_draft_layers, mask_token_id=args.mask_token_id)
         if args.draft_intermediate_size is not None:
             shape["intermediate_size"] = args.draft_intermediate_size
-        return XPressModel(XPressConfig.from_target_config(target.config, **shape, **head))
+        model = XPressModel(XPressConfig.from_target_config(target.config, **shape, **head))
+        if args.init_from_target_layers:
+            init_drafter_from_target(model, target, copied_target_layers(args.init_from_target_layers))
+        return model
     folder = Path(args.init_from)
     config = json.loads((folder / "config.json").read_text())
     if config.get("model_type") == "xpress":
