@@ -1,0 +1,162 @@
+"""Choose the draft-confidence threshold (issue 10 item 4) on held-out training prompts, and show its effect on speed.
+
+Each block is cut after the first draft whose cumulative confidence falls below a threshold (`generation.draft_length`),
+so fewer drafts are verified. On a CPU a 16-token verification costs ~1.4 plain decoding steps while most blocks are
+accepted only 1-2 tokens deep, so verifying fewer drafts can pay. This sweeps thresholds through `spec_generate` and
+times plain `target.generate` on the same prompts in the same run (entries rotated per prompt, so machine-load drifts
+hit every entry alike), greedy, and writes the raw records and a summary as JSON.
+
+The prompts are a held-out split of the training data: `training_prompts(7200, seed=0)` rows 7000..7199 are generated
+like the training prompts but reserved — never trained on — for choices like this one. Never HumanEval / MT-Bench.
+
+    python examples/choose_draft_length.py                      # bundled checkpoint, bf16, 1 thread, 10 prompts
+    python examples/choose_draft_length.py --thresholds none,0.2,0.4 --caps 4,8 --prompts 20
+"""
+
+import argparse
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from modeling_xpress import XPressModel
+from modeling_xpress.assets import DTYPES, load_smollm2
+from modeling_xpress.benchmark import chat_prompt_ids, environment_info, method_info, run_plain
+from modeling_xpress.demo import BUNDLED_CHECKPOINT
+from modeling_xpress.generation import WallClock, spec_generate
+from modeling_xpress.prompts import training_prompts
+
+# The held-out split: generated with the training prompts, reserved for choosing settings, never trained on.
+HELD_OUT_SPLIT = (7200, 0, range(7000, 7200))  # (n, seed, rows) of `training_prompts`
+
+
+def held_out_prompts(limit: int) -> list[str]:
+    n, seed, rows = HELD_OUT_SPLIT
+    return training_prompts(n, seed=seed).select(rows[:limit])["prompt"]
+
+
+def settings_of(thresholds: list[float | None], caps: list[int], heads_off: list[float | None]) -> list[dict]:
+    """Named spec_generate settings. A threshold of None runs as 0 (no cut) so that the config default, whatever it
+    is, does not leak into the baseline; "K=0" runs switch the head off (the drafter's own marginals)."""
+    out = [{"name": f"t={t}", "threshold": t, "cap": None, "k0": False} for t in thresholds]
+    out += [{"name": f"cap={c}", "threshold": None, "cap": c, "k0": False} for c in caps]
+    out += [{"name": f"t={t},K=0", "threshold": t, "cap": None, "k0": True} for t in heads_off]
+    return out
+
+
+def run_setting(target, xpress, ids, max_new_tokens: int, setting: dict):
+    saved = xpress.config.jacobi_max_iters
+    xpress.config.jacobi_max_iters = 0 if setting["k0"] else saved
+    clock = WallClock(ids.device)
+    try:
+        start = clock.now()
+        out = spec_generate(xpress, target, ids, max_new_tokens=max_new_tokens, temperature=0.0,
+                            assistant_confidence_threshold=setting["threshold"] or 0.0,
+                            num_assistant_tokens=setting["cap"])  # fmt: skip
+        return out.sequences, clock.now() - start, out.stats
+    finally:
+        xpress.config.jacobi_max_iters = saved
+
+
+def summarize(records: list[dict], names: list[str]) -> dict[str, dict]:
+    plain = [r for r in records if r["entry"] == "plain"]
+    plain_rate = sum(r["new_tokens"] for r in plain) / sum(r["seconds"] for r in plain)
+    out = {"plain": {"tokens_per_s": plain_rate, "speed_vs_plain": 1.0}}
+    for name in names:
+        rows = [r for r in records if r["entry"] == name]
+        rate = sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows)
+        taus = [t for r in rows for t in r["acceptance_lengths"]]
+        lengths = [n for r in rows for n in r["draft_lengths"]]
+        out[name] = {
+            "tokens_per_s": rate,
+            "speed_vs_plain": rate / plain_rate,
+            "mean_tau": sum(taus) / len(taus),
+            "mean_draft_length": sum(lengths) / len(lengths),
+            "identical_to_plain": sum(r["identical_to_plain"] for r in rows),
+            "prompts": len(rows),
+        }
+    return out
+
+
+def parse_thresholds(text: str) -> list[float | None]:
+    return [None if item.strip().lower() == "none" else float(item) for item in text.split(",") if item.strip()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default=str(BUNDLED_CHECKPOINT))
+    parser.add_argument("--thresholds", default="none,0.1,0.2,0.3,0.5")
+    parser.add_argument("--caps", default="", help="fixed caps (num_assistant_tokens) to compare, e.g. 4,8")
+    parser.add_argument("--heads-off", default="none", help="thresholds also run with jacobi_max_iters=0")
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results/draft-length-heldout.json")
+    parser.add_argument("--note", default="", help="stored with the results, e.g. what else the machine was running")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target, tokenizer = load_smollm2(dtype=DTYPES[args.dtype])
+    xpress = XPressModel.from_pretrained(args.checkpoint).eval()
+    prompts = chat_prompt_ids(tokenizer, held_out_prompts(args.prompts))
+    caps = [int(c) for c in args.caps.split(",") if c.strip()]
+    settings = settings_of(parse_thresholds(args.thresholds), caps, parse_thresholds(args.heads_off))
+    entries = ["plain"] + [s["name"] for s in settings]
+    by_name = {s["name"]: s for s in settings}
+
+    run_plain(target, prompts[0], 8, 0.0, 0)  # warm-up: one-off costs are not charged to the first prompt
+    run_setting(target, xpress, prompts[0], 8, settings[0])
+    records = []
+    with torch.inference_mode():
+        for index, ids in enumerate(tqdm(prompts, desc="held-out prompts")):
+            order = entries[index % len(entries) :] + entries[: index % len(entries)]
+            done = {}
+            for name in order:
+                if name == "plain":
+                    done[name] = (*run_plain(target, ids, args.max_new_tokens, 0.0, 0), None)
+                else:
+                    done[name] = run_setting(target, xpress, ids, args.max_new_tokens, by_name[name])
+            reference = done["plain"][0]
+            for name in entries:
+                sequences, seconds, stats = done[name]
+                records.append({
+                    "prompt_index": index, "entry": name, "seconds": seconds,
+                    "new_tokens": int(sequences.shape[1] - ids.shape[1]),
+                    "identical_to_plain": bool(torch.equal(sequences, reference)),
+                    "acceptance_lengths": None if stats is None else list(stats.acceptance_lengths),
+                    "draft_lengths": None if stats is None else list(stats.draft_lengths),
+                })  # fmt: skip
+
+    summary = summarize(records, [s["name"] for s in settings])
+    thresholds = [s["name"] for s in settings if not s["k0"] and s["cap"] is None]
+    best = max(thresholds, key=lambda name: summary[name]["tokens_per_s"])
+    results = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "held_out_split": {"training_prompts_n": HELD_OUT_SPLIT[0], "seed": HELD_OUT_SPLIT[1],
+                           "rows": [HELD_OUT_SPLIT[2].start, HELD_OUT_SPLIT[2].start + len(prompts) - 1]},  # fmt: skip
+        "arguments": vars(args),
+        "note": args.note,
+        "environment": environment_info(target),
+        "method": method_info(xpress),
+        "settings": settings,
+        "summary": summary,
+        "fastest_threshold": best,
+        "records": records,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print("| setting | tok/s | vs plain | τ | drafts verified | identical |\n|---|---|---|---|---|---|")
+    for name, row in summary.items():
+        if name == "plain":
+            print(f"| plain generate | {row['tokens_per_s']:.1f} | 1.00× | | | |")
+            continue
+        print(f"| {name} | {row['tokens_per_s']:.1f} | {row['speed_vs_plain']:.2f}× | {row['mean_tau']:.2f} | "
+              f"{row['mean_draft_length']:.1f} | {row['identical_to_plain']}/{row['prompts']} |")  # fmt: skip
+    print(f"fastest threshold: {best}; written {args.out}")
+
+
+if __name__ == "__main__":
+    main()
