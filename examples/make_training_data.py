@@ -27,6 +27,9 @@ from modeling_xpress.regeneration import SHARD_MANIFEST, regenerate_responses
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n-prompts", type=int, default=2400)
+    parser.add_argument("--first-prompt", type=int, default=0,
+                        help="answer prompts first..n-1 only: training_prompts(n) is prefix-stable, so a larger set "
+                             "can extend an existing one (e.g. --n-prompts 7200 --first-prompt 2400)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt generator (and of sampling)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -69,6 +72,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model, tokenizer = assets.load_smollm2(dtype=assets.DTYPES[args.dtype])
     prompts = training_prompts(args.n_prompts, seed=args.seed)
+    if not 0 <= args.first_prompt < args.n_prompts:
+        raise SystemExit(f"--first-prompt must be in [0, {args.n_prompts}), got {args.first_prompt}")
+    prompts = prompts.select(range(args.first_prompt, args.n_prompts))
     print(f"{len(prompts)} prompts {dict(Counter(prompts['kind']))}; shards in {args.shard_dir}", flush=True)
 
     start = time.perf_counter()
@@ -96,7 +102,8 @@ def main() -> None:
                       f"dequantised by transformers",
             "dtype": args.dtype,
         },
-        "prompts": {"generator": "modeling_xpress.prompts.training_prompts", "n": len(prompts), "seed": args.seed},
+        "prompts": {"generator": "modeling_xpress.prompts.training_prompts", "n": len(prompts), "seed": args.seed,
+                    "indices": [args.first_prompt, args.n_prompts]},
         "generation": {
             "max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample,
             "temperature": args.temperature if args.do_sample else None, "batch_size": args.batch_size,

@@ -20,6 +20,12 @@ Smoke test without any download (a tiny random Llama target and synthetic target
 
     python examples/train_refiner.py --target tiny-random --output_dir /tmp/xpress-smoke --max_steps 4
 
+Train every stage from the target's signals computed once (`--signal_cache runs/signals`: written on the first run,
+an interrupted one resumed, then read by this and every later stage with the same drafter layers; no target forward
+while training):
+
+    python examples/train_refiner.py --target path/to/target --data responses.parquet --signal_cache runs/signals ...
+
 Every `--save_steps` a loadable xPress folder is written to `<output_dir>/checkpoint-<step>/`
 (`XPressModel.from_pretrained(folder)`); continue an interrupted run with `--resume_from_checkpoint <folder>` (same
 `--init_from` and data). All `TrainingArguments` flags work (`--learning_rate`, `--bf16`, `--logging_steps`, ...), plus
@@ -37,6 +43,7 @@ from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, Ll
 
 from modeling_xpress import XPressConfig, XPressModel
 from modeling_xpress.assets import DTYPES
+from modeling_xpress.signal_cache import cache_target_signals
 from modeling_xpress.target_init import init_drafter_from_target
 from modeling_xpress.training import XPressTrainer, XPressTrainingArguments, with_fresh_head
 
@@ -79,6 +86,13 @@ class ScriptArguments:
     threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads per process (1 is much faster on a busy CPU)."}
     )
+    signal_cache: str = field(
+        default="",
+        metadata={"help": "Folder of the target's cached signals (modeling_xpress.signal_cache): written once from "
+                  "--data (an unfinished one is resumed), then training runs no target forward."},
+    )
+    signal_cache_top_k: int = field(default=64, metadata={"help": "Top-k probabilities of p^t kept per position."})
+    signal_cache_dtype: str = field(default="bfloat16", metadata={"help": "Dtype of the cached features."})
 
 
 def tiny_random_target(seed: int) -> LlamaForCausalLM:
@@ -185,6 +199,20 @@ def build_drafter(args: ScriptArguments, target) -> XPressModel:
     return XPressModel.from_dflash(folder, num_target_layers=text.num_hidden_layers, **facts, **head)
 
 
+def cached_signals(args: ScriptArguments, training_args: XPressTrainingArguments, target, data, xpress):
+    """`--signal_cache`: the target's features and p^t for `data`, written once (by the main process first; the others
+    find it finished) and read back; training then runs no target forward."""
+    dtype = DTYPES.get(args.signal_cache_dtype)
+    if dtype is None:
+        raise ValueError(f"--signal_cache_dtype must be float32 or bfloat16, got {args.signal_cache_dtype!r}")
+    with training_args.main_process_first(desc="signal cache"):
+        return cache_target_signals(
+            target.to(training_args.device), data, xpress.config.target_layer_ids, args.signal_cache,
+            top_k=args.signal_cache_top_k, dtype=dtype, max_length=training_args.max_seq_length,
+            batch_size=training_args.per_device_train_batch_size, progress=not training_args.disable_tqdm,
+        )  # fmt: skip
+
+
 def main() -> None:
     script_args, training_args = HfArgumentParser((ScriptArguments, XPressTrainingArguments)).parse_args_into_dataclasses()
     if script_args.threads is not None:
@@ -193,6 +221,8 @@ def main() -> None:
     target = load_target(script_args, training_args.seed)
     data = load_data(script_args, target, training_args.seed)
     xpress = build_drafter(script_args, target)
+    if script_args.signal_cache:
+        data = cached_signals(script_args, training_args, target, data, xpress)
     trainer = XPressTrainer(model=xpress, target=target, args=training_args, train_dataset=data)
     if trainer.is_world_process_zero():
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)

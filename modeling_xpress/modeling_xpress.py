@@ -38,6 +38,7 @@ class XPressAttention(nn.Module):
     Deviations from `Qwen3Attention`: queries come from the block only while keys/values come from
     `[context ; block]`, and attention is not causal (the block sees itself bidirectionally and all context).
     The caller's `cache` receives the K/V of `[new context ; block]`; the caller crops the block afterwards.
+    With `config.qk_norm=False` there is no q_norm/k_norm (Llama's attention), so a Llama layer loads 1:1.
     """
 
     def __init__(self, config: XPressConfig, layer_idx: int):
@@ -53,8 +54,9 @@ class XPressAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        # Absent (not identity weights) without QK-norm: the state dict then has exactly a Llama layer's tensors.
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -68,8 +70,11 @@ class XPressAttention(nn.Module):
         b, q_len, _ = hidden_states.shape
         kv_input = hidden_states if context is None else torch.cat([context, hidden_states], dim=1)
         kv_len = kv_input.shape[1]
-        query = self.q_norm(self.q_proj(hidden_states).view(b, q_len, -1, self.head_dim)).transpose(1, 2)
-        key = self.k_norm(self.k_proj(kv_input).view(b, kv_len, -1, self.head_dim)).transpose(1, 2)
+        query = self.q_proj(hidden_states).view(b, q_len, -1, self.head_dim)  # (b, q, h, d)
+        key = self.k_proj(kv_input).view(b, kv_len, -1, self.head_dim)  # (b, kv, kvh, d)
+        if self.q_norm is not None:  # QK-norm per head, before RoPE (Qwen3)
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)  # (b, h, q, d), (b, kvh, kv, d)
         value = self.v_proj(kv_input).view(b, kv_len, -1, self.head_dim).transpose(1, 2)  # (b, kvh, kv, d)
         query = _rope(query, cos[:, -q_len:], sin[:, -q_len:])
         key = _rope(key, cos, sin)
@@ -141,11 +146,14 @@ class CorrectionHead(nn.Module):
         base_logits: torch.Tensor,
         anchor_ids: torch.Tensor,
         *,
+        to_vocabulary=None,
         logits_transform=None,
         noise: torch.Tensor | None = None,
         max_iters: int,
         early_exit: bool = True,
     ) -> RefinementResult:
+        """`base_logits` (b, n, V) are over the whole vocabulary; `to_vocabulary` maps the head's δ from its readout
+        (the draft vocabulary) onto it (None: the readout already is the whole vocabulary)."""
         raise NotImplementedError
 
 
@@ -187,7 +195,7 @@ class XPressRefiner(CorrectionHead):
         self.up = nn.Linear(r, 2 * r)  # W_1
         self.down = nn.Linear(2 * r, r)  # W_2
         self.act = nn.SiLU()  # σ
-        self.readout = Readout(r, config.vocab_size)  # W_r
+        self.readout = Readout(r, config.draft_vocab_size or config.vocab_size)  # W_r, over the draft vocabulary
         self.register_buffer("causal_mask", torch.tril(torch.ones(n, n), diagonal=-1), persistent=False)
         self._folded: FoldedRefiner | None = None
         self._folded_key: tuple | None = None
@@ -197,10 +205,12 @@ class XPressRefiner(CorrectionHead):
         n = self.causal_mask.shape[0]
         init.copy_(self.causal_mask, torch.tril(torch.ones(n, n), diagonal=-1))
 
-    def decode(self, hidden, base_logits, anchor_ids, *, logits_transform=None, noise=None, max_iters, early_exit=True):
+    def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
+               max_iters, early_exit=True):  # fmt: skip
         """Jacobi refinement (Algorithm 1) with the folded operators: K parallel passes instead of n serial ones."""
         return jacobi_refine(
-            self, hidden, base_logits, anchor_ids, logits_transform=logits_transform, noise=noise,
+            self, hidden, base_logits, anchor_ids, to_vocabulary=to_vocabulary, logits_transform=logits_transform,
+            noise=noise,
             max_iters=max_iters, early_exit=early_exit,
         )  # fmt: skip
 
@@ -273,7 +283,7 @@ class MarkovHead(CorrectionHead):
     def __init__(self, config: XPressConfig):
         super().__init__()
         self.token_embed = nn.Embedding(config.vocab_size, config.refiner_rank)
-        self.readout = Readout(config.refiner_rank, config.vocab_size)
+        self.readout = Readout(config.refiner_rank, config.draft_vocab_size or config.vocab_size)
 
     def bias(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (...) → δ (..., V): the bias of the position after each token."""
@@ -283,9 +293,11 @@ class MarkovHead(CorrectionHead):
         """δ (b, n, V) from the previous tokens alone (the hidden states are not read)."""
         return self.bias(previous)
 
-    def decode(self, hidden, base_logits, anchor_ids, *, logits_transform=None, noise=None, max_iters=0, early_exit=True):
+    def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
+               max_iters=0, early_exit=True):  # fmt: skip
         """The serial decode: n dependent steps, whatever `max_iters` says."""
-        return markov_decode(self, base_logits, anchor_ids, logits_transform=logits_transform, noise=noise)
+        return markov_decode(self, base_logits, anchor_ids, to_vocabulary=to_vocabulary,
+                             logits_transform=logits_transform, noise=noise)  # fmt: skip
 
 
 class NoHead(CorrectionHead):
@@ -301,7 +313,8 @@ class NoHead(CorrectionHead):
     def forward(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         return hidden.new_zeros(*previous.shape, self.vocab_size)
 
-    def decode(self, hidden, base_logits, anchor_ids, *, logits_transform=None, noise=None, max_iters=0, early_exit=True):
+    def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
+               max_iters=0, early_exit=True):  # fmt: skip
         return plain_decode(base_logits, logits_transform=logits_transform, noise=noise)
 
 
@@ -326,6 +339,9 @@ class XPressPreTrainedModel(PreTrainedModel):
             init.zeros_(module.weight)  # δ = 0: a fresh head starts as the plain drafter
         if isinstance(module, CorrectionHead):
             module.init_fresh()
+        if isinstance(module, XPressModel) and module.draft_token_ids is not None:
+            # a placeholder until `set_draft_vocabulary` (a loaded checkpoint brings its own ids)
+            init.copy_(module.draft_token_ids, torch.arange(module.draft_token_ids.shape[0]))
         if isinstance(module, XPressModel) and module.mask_embedding is not None:
             init.normal_(module.mask_embedding, mean=0.0, std=self.config.initializer_range)
 
@@ -348,6 +364,12 @@ class XPressModel(XPressPreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         # Learned mask vector, for targets without a spare embedding row (config.mask_token_id is None).
         self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if config.mask_token_id is None else None
+        # Target token id of each draft-vocabulary row (config.draft_vocab_size), or None for the whole vocabulary.
+        if config.draft_vocab_size is not None:
+            self.register_buffer("draft_token_ids", torch.arange(config.draft_vocab_size))
+        else:
+            self.draft_token_ids = None
+        self._draft_head_cache: tuple | None = None
         self.refiner = HEADS[config.refiner](config)
         # Statistics of the last `generate(assistant_model=self)` / `spec_generate` call.
         self.generation_stats = None
@@ -443,11 +465,54 @@ class XPressModel(XPressPreTrainedModel):
             hidden = layer(hidden, context, cos, sin, mask, cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden).to(out_dtype), cache=cache)
 
-    def base_logits(self, last_hidden_state: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Drafter logits s_k for the draft positions of one block: (b, B, H) → (b, n, V) via the target's lm_head."""
+    def draft_logits(self, last_hidden_state: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Drafter logits s_k of one block's draft positions over the draft vocabulary: (b, B, H) → (b, n, V_d)
+        through the draft vocabulary's rows of the target's lm_head (all of it without a draft vocabulary)."""
         # contiguous: a strided 3-D input makes `F.linear` fall back to a batched matmul over a copy of the
         # (V, H) weight per batch row, which is most of the cost of a training step on CPU.
-        return lm_head(last_hidden_state[:, 1:].contiguous())
+        hidden = last_hidden_state[:, 1:].contiguous()
+        if self.draft_token_ids is None:
+            return lm_head(hidden)
+        return F.linear(hidden, *self._draft_head(lm_head))
+
+    def _draft_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lm_head's rows of the draft vocabulary, copied once and reused while neither changes."""
+        ids, weight, bias = self.draft_token_ids, lm_head.weight, getattr(lm_head, "bias", None)
+        key = (weight.data_ptr(), weight._version, weight.dtype, ids.data_ptr(), ids._version, ids.device)
+        if self._draft_head_cache is None or self._draft_head_cache[0] != key:
+            with torch.no_grad():
+                rows = (weight.index_select(0, ids), None if bias is None else bias.index_select(0, ids))
+            self._draft_head_cache = (key, rows)
+        return self._draft_head_cache[1]
+
+    def base_logits(self, last_hidden_state: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Drafter logits s_k for the draft positions of one block over the whole vocabulary: (b, B, H) → (b, n, V),
+        -inf outside the draft vocabulary (so the drafter's q is exactly 0 there)."""
+        return self.to_vocabulary(self.draft_logits(last_hidden_state, lm_head), fill=float("-inf"))
+
+    def to_vocabulary(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """(..., V_d) over the draft vocabulary → (..., V) over the target's, `fill` elsewhere (identity without a
+        draft vocabulary)."""
+        if self.draft_token_ids is None:
+            return values
+        out = values.new_full((*values.shape[:-1], self.config.vocab_size), fill)
+        return out.index_copy_(values.dim() - 1, self.draft_token_ids, values)
+
+    @torch.no_grad()
+    def set_draft_vocabulary(self, token_ids) -> None:
+        """Store the draft vocabulary: `config.draft_vocab_size` distinct target token ids (e.g. the most frequent
+        tokens of the training responses, `training.frequency_ranked_vocabulary`)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if self.draft_token_ids is None:
+            raise ValueError("this drafter has no draft vocabulary: build its config with draft_vocab_size=<size>")
+        if ids.shape[0] != self.draft_token_ids.shape[0] or ids.unique().shape[0] != ids.shape[0]:
+            raise ValueError(
+                f"need {self.draft_token_ids.shape[0]} distinct token ids (config.draft_vocab_size), got {ids.shape[0]} "
+                f"ids of which {ids.unique().shape[0]} distinct"
+            )
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must lie in 0..{self.config.vocab_size - 1}")
+        self.draft_token_ids.copy_(ids.to(self.draft_token_ids.device))
 
     # --- refinement ----------------------------------------------------------------------------------------------
 
@@ -473,6 +538,7 @@ class XPressModel(XPressPreTrainedModel):
             hidden,
             base_logits,
             anchor_ids,
+            to_vocabulary=None if self.draft_token_ids is None else self.to_vocabulary,
             logits_transform=logits_transform,
             noise=noise,
             max_iters=self.config.jacobi_max_iters if max_iters is None else max_iters,

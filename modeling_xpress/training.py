@@ -18,6 +18,7 @@ positions, N = valid blocks in the batch, H = hidden width, V = vocabulary.
 This file does not travel with checkpoints (it imports peft and the Trainer); only the package uses it.
 """
 
+import collections
 import copy
 import hashlib
 import json
@@ -363,9 +364,10 @@ def target_signals(
 @dataclass
 class DistributionLoss:
     loss: torch.Tensor  # scalar: Σ w_k valid [α_ce CE + α_l1 L1] / Σ w_k valid
-    ce: torch.Tensor  # (N, n) −log p_k(x*_k), 0 where invalid
-    l1: torch.Tensor  # (N, n) ‖p_k − p^t_k‖₁, 0 where invalid
+    ce: torch.Tensor  # (N, n) −log p_k(x*_k), 0 where invalid or where x*_k lies outside the draft vocabulary
+    l1: torch.Tensor  # (N, n) ‖p_k − p^t_k‖₁ over the whole vocabulary, 0 where invalid
     valid: torch.Tensor  # (N, n) bool
+    ce_valid: torch.Tensor  # (N, n) bool: valid and x*_k inside the draft vocabulary
 
     @property
     def accept(self) -> torch.Tensor:
@@ -439,17 +441,90 @@ def distribution_loss(
     weights: torch.Tensor,
     ce_weight: float,
     l1_weight: float,
+    tail: torch.Tensor | None = None,
 ) -> DistributionLoss:
     """Paper eq. (14) for one distribution p = softmax(logits): logits/target_probs (N, n, V), labels (N, n) with -100
-    on ignored positions, weights (n,) position weights. Normalised by the weight of the valid positions."""
+    on ignored positions, weights (n,) position weights. Normalised by the weight of the valid positions.
+
+    Over a draft vocabulary (logits and target_probs over its V_d tokens): `tail` (N, n) is the target's mass outside
+    it, where p is 0, so ‖p − p^t‖₁ over the whole vocabulary is the sum over V_d plus `tail`; a label of -1 (the data
+    token lies outside) adds no cross-entropy, only that L1 term."""
     valid = labels != IGNORE_INDEX
+    ce_valid = labels >= 0
     ce, l1 = cross_entropy_l1(logits, target_probs, labels.clamp(min=0))
-    ce, l1 = ce * valid, l1 * valid
+    if tail is not None:
+        l1 = l1 + tail
+    ce, l1 = ce * ce_valid, l1 * valid
     w = weights.view(1, -1) * valid
     # clamp: a batch without a single valid position yields 0 (still connected to the graph, so DDP sees every
     # parameter) instead of 0/0.
     loss = (w * (ce_weight * ce + l1_weight * l1)).sum() / w.sum().clamp(min=1e-12)
-    return DistributionLoss(loss=loss, ce=ce, l1=l1, valid=valid)
+    return DistributionLoss(loss=loss, ce=ce, l1=l1, valid=valid, ce_valid=ce_valid)
+
+
+@dataclass
+class DraftTargets:
+    """The target's side of the loss over the drafter's vocabulary."""
+
+    probs: torch.Tensor  # (N, n, V_d) p^t on the draft vocabulary
+    labels: torch.Tensor  # (N, n) data tokens as draft-vocabulary indices; -1 outside it, -100 ignored
+    tail: torch.Tensor | None  # (N, n) p^t mass outside the draft vocabulary (None: it is the whole vocabulary)
+
+
+def restrict_to_draft_vocabulary(probs: torch.Tensor, labels: torch.Tensor, token_ids: torch.Tensor | None) -> DraftTargets:
+    """p^t (N, n, V) and labels (N, n) in target ids → the same over the draft vocabulary `token_ids` (V_d,)."""
+    if token_ids is None:
+        return DraftTargets(probs=probs, labels=labels, tail=None)
+    restricted = probs.index_select(-1, token_ids)
+    row = torch.full((probs.shape[-1],), -1, dtype=torch.long, device=labels.device)
+    row[token_ids] = torch.arange(token_ids.shape[0], device=labels.device)
+    draft_labels = torch.where(labels == IGNORE_INDEX, labels, row[labels.clamp(min=0)])
+    return DraftTargets(probs=restricted, labels=draft_labels, tail=(1.0 - restricted.sum(dim=-1)).clamp(min=0.0))
+
+
+def top_k_draft_targets(
+    ids: torch.Tensor,
+    probs: torch.Tensor,
+    tail: torch.Tensor,
+    labels: torch.Tensor,
+    token_ids: torch.Tensor | None,
+    vocab_size: int,
+) -> DraftTargets:
+    """p^t given as its top k (`ids` target ids and `probs`, (N, n, k)) plus `tail` (N, n), the mass outside them, as
+    a signal cache stores it → the dense teacher over the draft vocabulary `token_ids` (the whole `vocab_size` one when
+    None). Top-k entries outside the draft vocabulary join the tail, so `tail` is always the mass of p^t the dense
+    teacher does not hold. CE never reads the teacher, so it is exact; the L1 term is exact on the held entries and, on
+    the missing set M (the draft vocabulary outside the top k), counts Σ_M p_i + q_i instead of Σ_M |p_i − q_i|: it
+    exceeds the live L1 by 2 Σ_M min(p_i, q_i) ∈ [0, 2 × stored tail] (docs/training.md)."""
+    if token_ids is not None:
+        row = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+        row[token_ids] = torch.arange(token_ids.shape[0], device=ids.device)
+        ids, labels = row[ids], torch.where(labels == IGNORE_INDEX, labels, row[labels.clamp(min=0)])
+        inside = ids >= 0
+        tail = tail + (probs * ~inside).sum(dim=-1)
+        # Entries outside add 0 at index 0: scatter_add keeps that exact whatever the order (a plain scatter of
+        # duplicate indices would not say which value wins).
+        ids, probs = ids.clamp(min=0), probs * inside
+    width = vocab_size if token_ids is None else token_ids.shape[0]
+    dense = probs.new_zeros(*probs.shape[:-1], width).scatter_add_(-1, ids, probs)
+    return DraftTargets(probs=dense, labels=labels, tail=tail)
+
+
+def frequency_ranked_vocabulary(dataset, size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """The `size` most frequent response tokens (`loss_mask == 1`) of a `{"input_ids", "loss_mask"}` dataset, most
+    frequent first, with the ids in `always` (e.g. EOS) included: what `XPressModel.set_draft_vocabulary` stores.
+    Ties break by token id, so the result is deterministic."""
+    counts: collections.Counter = collections.Counter()
+    for row in dataset:
+        counts.update(t for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
+    forced = list(dict.fromkeys(int(t) for t in always))
+    ranked = [t for t, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])) if t not in forced]
+    if size < len(forced) or size > len(forced) + len(ranked):
+        raise ValueError(
+            f"size must be between {len(forced)} (the ids always included) and {len(forced) + len(ranked)} (the "
+            f"distinct response tokens), got {size}; a larger draft vocabulary than the data covers cannot be ranked"
+        )
+    return torch.tensor(forced + ranked[: size - len(forced)], dtype=torch.long)
 
 
 @dataclass
@@ -499,8 +574,10 @@ class XPressObjective(nn.Module):
     def _drafter_trainable(self) -> bool:
         return any(p.requires_grad for name, p in self.core.named_parameters() if not name.startswith("refiner."))
 
-    def _loss(self, logits, signals, labels, weights) -> DistributionLoss:
-        return distribution_loss(logits, signals.probs, labels, weights, self.ce_weight, self.l1_weight)
+    def _loss(self, logits, targets: DraftTargets, weights) -> DistributionLoss:
+        return distribution_loss(
+            logits, targets.probs, targets.labels, weights, self.ce_weight, self.l1_weight, tail=targets.tail
+        )
 
     def forward(
         self,
@@ -510,34 +587,59 @@ class XPressObjective(nn.Module):
         labels: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         anchor_weight: float = XPressTrainingArguments.anchor_weight_start,
+        features: torch.Tensor | None = None,
+        teacher_ids: torch.LongTensor | None = None,
+        teacher_probs: torch.Tensor | None = None,
+        teacher_tail: torch.Tensor | None = None,
     ) -> XPressObjectiveOutput:
-        """Batch from `XPressDataCollator` → total loss and metrics. `anchor_weight` is λ of the current step."""
+        """Batch from `XPressDataCollator` → total loss and metrics. `anchor_weight` is λ of the current step.
+
+        From a signal cache (`signal_cache.SignalCacheCollator`) the batch also carries the target's `features`
+        (b, T, L·H) and p^t of every block position as top-k `teacher_ids` / `teacher_probs` (b, m, n, k) plus
+        `teacher_tail` (b, m, n): then the target runs no forward, only its embedding table and lm_head are used."""
         core = self.core
         config = core.config
         embed_tokens, lm_head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
-        signals = target_signals(
-            self.target, input_ids, attention_mask, anchors, anchor_mask, config.target_layer_ids, config.num_draft_tokens
-        )
+        cached = features is not None
+        if cached and (teacher_ids is None or teacher_probs is None or teacher_tail is None):
+            raise ValueError("a batch with cached features needs teacher_ids, teacher_probs and teacher_tail too")
+        if cached:
+            context = features
+        else:
+            signals = target_signals(
+                self.target, input_ids, attention_mask, anchors, anchor_mask, config.target_layer_ids,
+                config.num_draft_tokens,
+            )  # fmt: skip
+            context = signals.context
         anchor_ids = torch.gather(input_ids, 1, anchors)  # (b, m)
         # A frozen drafter (train_mode="refiner") runs without a graph: nothing upstream of the head needs gradients.
         with torch.set_grad_enabled(torch.is_grad_enabled() and self._drafter_trainable()):
-            hidden = draft_blocks(core, embed_tokens, signals.context, anchors, anchor_ids)[anchor_mask]  # (N, B, H)
+            hidden = draft_blocks(core, embed_tokens, context, anchors, anchor_ids)[anchor_mask]  # (N, B, H)
         anchor_ids, labels = anchor_ids[anchor_mask], labels[anchor_mask]  # (N,), (N, n)
-        base = core.base_logits(hidden.to(lm_head.weight.dtype), lm_head)  # s, (N, n, V)
+        # Every distribution lives on the draft vocabulary (the whole one by default): s and δ are (N, n, V_d).
+        base = core.draft_logits(hidden.to(lm_head.weight.dtype), lm_head)
+        if cached:
+            targets = top_k_draft_targets(
+                teacher_ids[anchor_mask], teacher_probs[anchor_mask].float(), teacher_tail[anchor_mask].float(), labels,
+                core.draft_token_ids, lm_head.weight.shape[0],
+            )  # fmt: skip
+        else:
+            targets = restrict_to_draft_vocabulary(signals.probs, labels, core.draft_token_ids)
         hidden = hidden[:, 1:]  # draft positions 1..n, (N, n, H), what the head reads
         weights = position_weights(config.num_draft_tokens, self.gamma, device=base.device)
 
-        terms: dict[str, DistributionLoss] = {"base": self._loss(base, signals, labels, weights)}
+        terms: dict[str, DistributionLoss] = {"base": self._loss(base, targets, weights)}
         if not core.refiner.corrects:  # dFlash's own objective: the drafter's distribution is the draft distribution
             loss, main = terms["base"].loss, "base"
         else:
             # p^r: teacher forcing, the head sees the gold previous tokens [anchor, x*_1..x*_{n-1}]. Ignored labels
             # only ever feed ignored positions (validity is a prefix), so their placeholder ids do not matter.
             gold = previous_tokens(anchor_ids, labels.clamp(min=0))
-            terms["refined"] = self._loss(base + core.refiner(hidden, gold), signals, labels, weights)
-            # p̂^r: the head fed the drafter's own argmax, the seed Jacobi refinement starts from.
-            drafted = previous_tokens(anchor_ids, base.detach().argmax(dim=-1))
-            terms["consistency"] = self._loss(base + core.refiner(hidden, drafted), signals, labels, weights)
+            terms["refined"] = self._loss(base + core.refiner(hidden, gold), targets, weights)
+            # p̂^r: the head fed the drafter's own argmax (as target ids), the seed Jacobi refinement starts from.
+            seed = base.detach().argmax(dim=-1)
+            drafted = previous_tokens(anchor_ids, seed if core.draft_token_ids is None else core.draft_token_ids[seed])
+            terms["consistency"] = self._loss(base + core.refiner(hidden, drafted), targets, weights)
             loss = (
                 terms["refined"].loss
                 + anchor_weight * terms["base"].loss
@@ -549,7 +651,7 @@ class XPressObjective(nn.Module):
         one = torch.ones((), device=base.device)
         for name, term in terms.items():
             metrics[f"loss_{name}"] = torch.stack([term.loss.detach().float(), one])
-            metrics[f"ce_{name}"] = _mean_metric(term.ce, term.valid)
+            metrics[f"ce_{name}"] = _mean_metric(term.ce, term.ce_valid)
             metrics[f"l1_{name}"] = _mean_metric(term.l1, term.valid)
             metrics[f"accept_{name}"] = _mean_metric(term.accept, term.valid)
         if core.refiner.corrects:
@@ -629,6 +731,29 @@ class _AnchorEpochCallback(TrainerCallback):
         self.collator.set_epoch(math.floor(state.epoch))
 
 
+def with_draft_vocabulary(model: XPressModel, token_ids) -> XPressModel:
+    """A new `XPressModel` with `model`'s weights restricted to the draft vocabulary `token_ids` (target ids, e.g.
+    `frequency_ranked_vocabulary(...)`): the head keeps its readout rows of those tokens, the drafter is unchanged.
+
+    Restricting a trained model is exact on the kept rows; training with the restriction (what the heads then read
+    out) is what makes the most of it."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    config = copy.deepcopy(model.config)
+    config.draft_vocab_size = int(ids.shape[0])
+    config.validate_xpress()
+    restricted = XPressModel(config).to(model.device, model.dtype)
+    state = dict(model.state_dict())
+    if model.draft_token_ids is not None:
+        raise ValueError("this model already has a draft vocabulary; restrict the full-vocabulary model instead")
+    for name in [k for k in state if k.endswith("readout.weight")]:
+        state[name] = state[name][ids.to(state[name].device)]
+    missing, unexpected = restricted.load_state_dict(state, strict=False)
+    if missing != ["draft_token_ids"] or unexpected:
+        raise ValueError(f"weights do not fit the restricted model: missing {missing}, unexpected {unexpected}")
+    restricted.set_draft_vocabulary(ids)
+    return restricted
+
+
 def _frozen_fingerprint(model: nn.Module) -> str:
     """sha256 of every frozen tensor of the LoRA-wrapped drafter: the base an adapter checkpoint is only valid on."""
     digest = hashlib.sha256()
@@ -653,8 +778,10 @@ class XPressTrainer(Trainer):
     `model` is the `XPressModel` to train (fresh, converted from dFlash, or a previous xPress checkpoint); `target`
     the model it drafts for. The target is frozen, put in eval mode, moved to the training device, and never saved.
     `train_dataset` rows hold `input_ids` and `loss_mask` (1 on response tokens), e.g. from
-    `modeling_xpress.data.regenerate_responses`. Every checkpoint (and `save_model`) is a self-contained xPress Hub
-    folder — LoRA merged — plus the Trainer's state, so `train(resume_from_checkpoint=...)` continues the run.
+    `modeling_xpress.data.regenerate_responses`, or a signal cache of them (`signal_cache.load_signal_cache`: the target
+    then runs no forward, only its embedding table and lm_head are used). Every checkpoint (and `save_model`) is a
+    self-contained xPress Hub folder — LoRA merged — plus the Trainer's state, so `train(resume_from_checkpoint=...)`
+    continues the run.
     `self.model` is the `XPressObjective` (the module DDP wraps); `self.xpress` the drafter being trained.
     """
 
@@ -676,6 +803,15 @@ class XPressTrainer(Trainer):
             raise ValueError("model_init is not supported by XPressTrainer; pass the XPressModel as model=")
         model.config.check_target(target.config)
         target.requires_grad_(False).eval()
+        # Rows of a signal cache (`signal_cache.load_signal_cache`) carry the target's features and p^t, so the target
+        # runs no forward: they must hold this drafter's layers of this target. (Imported here: signal_cache imports
+        # this module.)
+        from .signal_cache import SignalCacheCollator, check_signal_cache, signal_cache_settings
+
+        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+        caches = [signal_cache_settings(d) for d in (train_dataset, *evals) if d is not None]
+        for settings in filter(None, caches):
+            check_signal_cache(settings, model.config, target)
         self.target = target
         self.xpress = prepare_for_training(model, args)
         self.is_lora = args.train_mode == "lora"
@@ -689,7 +825,7 @@ class XPressTrainer(Trainer):
             consistency_weight=args.consistency_weight,
         )
         if data_collator is None:
-            data_collator = XPressDataCollator(
+            data_collator = (SignalCacheCollator if any(caches) else XPressDataCollator)(
                 block_size=model.config.block_size,
                 anchors_per_sequence=args.anchors_per_sequence,
                 pad_token_id=model.config.pad_token_id or 0,
@@ -822,6 +958,10 @@ __all__ = [
     "XPressObjectiveOutput",
     "XPressTrainer",
     "DistributionLoss",
+    "DraftTargets",
+    "frequency_ranked_vocabulary",
+    "restrict_to_draft_vocabulary",
+    "top_k_draft_targets",
     "TargetSignals",
     "anchor_weight",
     "block_attention_mask",
@@ -832,5 +972,6 @@ __all__ = [
     "position_weights",
     "prepare_for_training",
     "target_signals",
+    "with_draft_vocabulary",
     "with_fresh_head",
 ]

@@ -17,6 +17,12 @@ from transformers.modeling_rope_utils import RopeParameters
 REFINER_TYPES = ("xpress", "markov", "none")
 # RoPE base of a config that does not name one (Qwen3's).
 DEFAULT_ROPE_THETA = 1_000_000.0
+# Whether a target family's attention RMS-normalises each query/key head before RoPE (Qwen3's QK-norm), by the
+# target config's `model_type`. A config cannot see modules, and these families have no config field for it (the
+# modules are hard-wired per family), so `model_type` is what a config says about it. Families not listed
+# keep the default (`qk_norm=True`, dFlash's Qwen3 layout); these are also the families whose decoder layers
+# `modeling_xpress.target_init` can copy into the drafter (it checks the modules themselves).
+TARGET_QK_NORM = {"qwen3": True, "llama": False, "mistral": False}
 # Fields that must hold whole numbers (a float such as 2.5 would be truncated, or fail deep inside torch, later).
 _INTEGER_FIELDS = (
     "vocab_size", "target_hidden_size", "num_target_layers", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -103,6 +109,10 @@ class XPressConfig(PreTrainedConfig):
     num_key_value_heads: int = 8
     # Width of one attention head.
     head_dim: int = 128
+    # RMS-normalise each query and key head before RoPE (Qwen3's QK-norm, dFlash's layout). False: no q_norm/k_norm
+    # modules at all (no such tensors in the state dict), the attention of Llama/Mistral, so layers copied from such a
+    # target compute exactly what they computed there. `from_target_config` follows the target (`TARGET_QK_NORM`).
+    qk_norm: bool = True
     # Activation of the SwiGLU MLP.
     hidden_act: str = "silu"
     # Epsilon of every RMSNorm (layers, QK-norm, `hidden_norm`, final norm).
@@ -126,17 +136,42 @@ class XPressConfig(PreTrainedConfig):
     # mask vector (for targets whose embedding table has no spare row, e.g. SmolLM2).
     mask_token_id: int | None = None
 
+    # Rows of the target's lm_head the drafter and its head read out: a frequency-ranked subset of the vocabulary,
+    # stored with the weights as the `draft_token_ids` buffer (FR-Spec / EAGLE-3). None → the whole vocabulary.
+    # Tokens outside it are never drafted (q = 0 there), so verification stays lossless; the lm_head and head
+    # readouts shrink from vocab_size to draft_vocab_size rows.
+    draft_vocab_size: int | None = None
+
     # --- refiner ------------------------------------------------------------------------------------------------
     # Correction head on the drafter's logits: "xpress" (causal low-rank refiner solved by Jacobi iterations),
     # "markov" (bias indexed by the previous token, decoded serially: the DSpark baseline) or "none" (plain dFlash).
     refiner: str = "xpress"
     # Low-rank width r of the refiner / Markov head.
     refiner_rank: int = 256
-    # Maximum Jacobi iterations K per block.
+    # Maximum Jacobi iterations K per block. 0 → no refiner pass: the xPress head drafts the drafter's own marginals
+    # (exactly what refiner="none" drafts, same loop and same draft-length rule), so its contribution can be measured
+    # by switching it off.
     jacobi_max_iters: int = 4
     # Stop a block's Jacobi iteration as soon as an iteration changes no token (the fixed point is reached; the
     # result is identical, only fewer iterations run).
     jacobi_early_exit: bool = True
+
+    # --- draft length (which part of a block is verified) ---------------------------------------------------------
+    # Verify only the confident head of each block. The cumulative confidence of draft k is the product, over drafts
+    # 1..k, of each draft's probability under the distribution it was drawn from (its q). The block is cut after the
+    # first draft whose cumulative confidence falls below the threshold (that draft is still verified, so at least
+    # one always is; see `generation.draft_length` for why the cut must include it to stay lossless). None or 0 →
+    # no cut. A `generate(..., assistant_confidence_threshold=...)` or `spec_generate(...,
+    # assistant_confidence_threshold=...)` call overrides it. (transformers' own assistants stop at the first token
+    # whose *own* probability is below their threshold; this one is cumulative, over the block.) It pays where a
+    # long verification costs more than a short one: the bundled SmolLM2 checkpoint carries 0.3, chosen on held-out
+    # training prompts on a CPU, where a 16-token verification costs ~1.4 decoding steps
+    # (examples/choose_draft_length.py: 0.82x -> 0.86x of plain decoding). Where verifying a whole block costs about
+    # one step (a GPU), no cut is the better default.
+    draft_confidence_threshold: float | None = None
+    # At most this many drafts verified per block, in 1..block_size - 1 (transformers' `num_assistant_tokens`, same
+    # name and meaning). None → the whole block (block_size - 1). A call's `num_assistant_tokens` overrides it.
+    num_assistant_tokens: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.rope_parameters is None:
@@ -155,12 +190,30 @@ class XPressConfig(PreTrainedConfig):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.refiner not in REFINER_TYPES:
             raise ValueError(f"refiner must be one of {REFINER_TYPES}, got {self.refiner!r}")
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"qk_norm must be True or False, got {self.qk_norm!r}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (an anchor plus at least one draft), got {self.block_size}")
         if self.refiner_rank < 1:
             raise ValueError(f"refiner_rank must be a positive integer, got {self.refiner_rank}")
-        if self.jacobi_max_iters < 1:
-            raise ValueError(f"jacobi_max_iters must be >= 1, got {self.jacobi_max_iters}")
+        if self.jacobi_max_iters < 0:
+            raise ValueError(
+                f"jacobi_max_iters must be >= 0 (0 = the drafter's own marginals, no refiner pass), got "
+                f"{self.jacobi_max_iters}"
+            )
+        threshold = self.draft_confidence_threshold
+        if threshold is not None and (
+            not isinstance(threshold, numbers.Real) or isinstance(threshold, bool) or not 0 <= threshold <= 1
+        ):
+            raise ValueError(
+                f"draft_confidence_threshold must be None (no cut) or a number in [0, 1], got {threshold!r}"
+            )
+        cap = self.num_assistant_tokens
+        if cap is not None and (not _is_int(cap) or not 1 <= cap <= self.block_size - 1):
+            raise ValueError(
+                f"num_assistant_tokens must be None (the whole block) or an integer in 1..{self.block_size - 1} "
+                f"(block_size - 1), got {cap!r}"
+            )
         if self.hidden_size != self.target_hidden_size:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must equal target_hidden_size ({self.target_hidden_size}): the "
@@ -183,6 +236,13 @@ class XPressConfig(PreTrainedConfig):
                 f"target_layer_ids {bad} are out of range for a target with num_target_layers="
                 f"{self.num_target_layers} (valid: 0..{self.num_target_layers - 1})"
             )
+        if self.draft_vocab_size is not None and (
+            not _is_int(self.draft_vocab_size) or not 1 <= self.draft_vocab_size <= self.vocab_size
+        ):
+            raise ValueError(
+                f"draft_vocab_size must be None (the whole vocabulary) or an integer in 1..{self.vocab_size}, got "
+                f"{self.draft_vocab_size!r}"
+            )
         if self.mask_token_id is not None and not _is_int(self.mask_token_id):
             raise ValueError(
                 f"mask_token_id must be an integer token id (or None for a learned mask vector), got {self.mask_token_id!r}"
@@ -202,8 +262,10 @@ class XPressConfig(PreTrainedConfig):
     def from_target_config(cls, target_config: PreTrainedConfig, **overrides: Any) -> "XPressConfig":
         """Derive every target-dependent field from the target's config; `overrides` set drafter/refiner fields.
 
-        The drafter copies the target's attention geometry (heads, head_dim, RoPE, norm eps) unless overridden, and
-        `target_layer_ids` follows dFlash's default rule for the chosen number of drafter layers.
+        The drafter copies the target's attention geometry (heads, head_dim, RoPE, norm eps, attention bias, QK-norm
+        by `TARGET_QK_NORM`) and MLP (width, activation) unless overridden, so a decoder layer of the target fits the
+        drafter as it is (`modeling_xpress.target_init`); `target_layer_ids` follows dFlash's default rule for the
+        chosen number of drafter layers.
         """
         text = target_config.get_text_config(decoder=True)
         heads = text.num_attention_heads
@@ -217,6 +279,9 @@ class XPressConfig(PreTrainedConfig):
             num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
             rms_norm_eps=getattr(text, "rms_norm_eps", None),
+            hidden_act=getattr(text, "hidden_act", None),
+            attention_bias=getattr(text, "attention_bias", None),
+            qk_norm=TARGET_QK_NORM.get(getattr(text, "model_type", None)),
             max_position_embeddings=getattr(text, "max_position_embeddings", None),
             rope_parameters=dict(text.rope_parameters) if getattr(text, "rope_parameters", None) else None,
             bos_token_id=getattr(text, "bos_token_id", None),

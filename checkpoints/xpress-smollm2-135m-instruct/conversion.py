@@ -81,7 +81,7 @@ def dflash_config_to_xpress(raw: dict, **overrides) -> XPressConfig:
     # `rope_theta` is honoured by XPressConfig itself.
     optional = ("rms_norm_eps", "max_position_embeddings", "attention_bias", "hidden_act", "block_size",
                 "rope_parameters", "rope_theta", "vocab_size", "num_target_layers", "bos_token_id", "eos_token_id",
-                "pad_token_id")  # fmt: skip
+                "pad_token_id", "qk_norm")  # fmt: skip
     fields.update({key: raw[key] for key in optional if raw.get(key) is not None})
     fields.update(overrides)
     if "num_target_layers" not in fields:
@@ -183,6 +183,7 @@ def write_dflash_checkpoint(model, path: str | os.PathLike) -> Path:
         "rms_norm_eps": config.rms_norm_eps,
         "max_position_embeddings": config.max_position_embeddings,
         "attention_bias": config.attention_bias,
+        "qk_norm": config.qk_norm,  # releases have QK-norm and no such field; a Llama-style drafter (False) says so
         "rope_parameters": dict(config.rope_parameters),
         "rope_theta": config.rope_parameters.get("rope_theta"),  # older readers take the flat field
         "vocab_size": config.vocab_size,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
-from transformers import DynamicCache, GenerationMixin, LogitsProcessorList
+from transformers import DynamicCache, GenerationConfig, GenerationMixin, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator, DFlashTokenCandidateGenerator
 from transformers.generation.logits_process import (
     NoRepeatNGramLogitsProcessor,
@@ -62,6 +62,7 @@ class XPressGenerationStats:
 
     acceptance_lengths: list[int] = field(default_factory=list)  # per verification step, 1 ≤ τ_step ≤ block_size
     jacobi_iterations: list[int] = field(default_factory=list)  # refiner passes per drafted block
+    draft_lengths: list[int] = field(default_factory=list)  # drafts verified per block, after the draft-length cut
     new_tokens: int = 0
     _spans: dict[str, list] = field(default_factory=lambda: {name: [] for name in SECTIONS}, repr=False)
     _total: tuple | None = field(default=None, repr=False)
@@ -90,12 +91,18 @@ class XPressGenerationStats:
     def mean_jacobi_iterations(self) -> float:
         return sum(self.jacobi_iterations) / max(len(self.jacobi_iterations), 1)
 
+    @property
+    def mean_draft_length(self) -> float:
+        return sum(self.draft_lengths) / max(len(self.draft_lengths), 1)
+
     def as_dict(self) -> dict:
         return {
             "acceptance_lengths": list(self.acceptance_lengths),
             "mean_tau": self.mean_tau,
             "jacobi_iterations": list(self.jacobi_iterations),
             "mean_jacobi_iterations": self.mean_jacobi_iterations,
+            "draft_lengths": list(self.draft_lengths),
+            "mean_draft_length": self.mean_draft_length,
             **{f"time_{name}": self.seconds(name) for name in SECTIONS},
             "time_total": self.time_total,
             "new_tokens": self.new_tokens,
@@ -302,6 +309,79 @@ def draft_block(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Draft length: which part of a block is verified
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftLengthRule:
+    """How many drafts of a block go to verification: at most `cap`, cut by cumulative confidence (`draft_length`)."""
+
+    threshold: float | None  # cumulative-confidence threshold; None or 0 = no cut
+    cap: int  # at most this many drafts per block, 1..block_size - 1
+
+
+def draft_length_rule(config, assistant_confidence_threshold=None, num_assistant_tokens=None) -> DraftLengthRule:
+    """The draft-length rule of one generation call: the call's values where given (not None), else the xPress
+    config's (`draft_confidence_threshold`, `num_assistant_tokens`). A cap above the block is clamped to the block."""
+    threshold, cap = assistant_confidence_threshold, num_assistant_tokens
+    # getattr: a checkpoint saved before these fields existed, loaded with its own code (trust_remote_code), has a
+    # config class without them; it keeps verifying whole blocks, as it did.
+    threshold = getattr(config, "draft_confidence_threshold", None) if threshold is None else threshold
+    cap = getattr(config, "num_assistant_tokens", None) if cap is None else cap
+    if threshold is not None and (not _is_real(threshold) or not 0 <= threshold <= 1):
+        raise ValueError(
+            f"assistant_confidence_threshold must be None or a number in [0, 1] (0 = no cut), got {threshold!r}"
+        )
+    if cap is not None and (not _is_int(cap) or cap < 1):
+        raise ValueError(f"num_assistant_tokens must be None or an integer >= 1, got {cap!r}")
+    block = config.num_draft_tokens
+    return DraftLengthRule(threshold=threshold, cap=block if cap is None else min(cap, block))
+
+
+def generation_config_draft_settings(generation_config) -> tuple[float | None, int | None]:
+    """(assistant_confidence_threshold, num_assistant_tokens) as a `generate` call sets them; None for each it does not.
+
+    By the time a candidate generator is built, transformers has filled every field nobody set with its global default
+    (`GenerationConfig._get_default_generation_params()`: `num_assistant_tokens=20`,
+    `assistant_confidence_threshold=0.4`), so which fields a caller passed cannot be read back. The rule: a value
+    counts as set when it differs from that global default (whether it came from the call or from the target's
+    `generation_config.json`); a value equal to it leaves the xPress config in charge. To use exactly 0.4 or 20, set
+    it on the xPress config (`xpress.config.draft_confidence_threshold = 0.4`) or pass it to `spec_generate`.
+    """
+    defaults = GenerationConfig._get_default_generation_params()
+    values = []
+    for name in ("assistant_confidence_threshold", "num_assistant_tokens"):
+        value = getattr(generation_config, name, None)
+        values.append(None if value is None or value == defaults.get(name) else value)
+    return values[0], values[1]
+
+
+def draft_length(result: RefinementResult, threshold: float | None, budget: int) -> int:
+    """How many of the block's first `budget` drafts to verify: up to and including the first draft whose cumulative
+    confidence prod_{j<=k} q_j(x_j) falls below `threshold` (q_j: softmax of `result.logits`, the distribution x_j was
+    drawn from); all `budget` when none does or `threshold` is None/0. At least one draft is always verified.
+
+    Why the first draft below the threshold is still verified: speculative sampling stays lossless when the number of
+    drafts verified is a stopping rule on the drafter's own samples, i.e. whether draft k is verified depends only on
+    drafts 1..k-1 (here: on their cumulative confidence), never on draft k itself. Then, given that k is verified, x_k
+    is still an unconditioned draw from q_k, and the accept/resample step at k yields the target's p_k exactly, as in
+    the standard proof (Leviathan et al., Thm. 1); a cut before k just makes the target's own token the bonus there.
+    Cutting *before* the first low-confidence draft would decide on x_k by its own value: the drafts verified at k
+    would come from q_k restricted to its confident tokens while acceptance divides by q_k, which is biased (q_k =
+    (0.9, 0.1), p_k = (0.5, 0.5), threshold 0.5: the first token would come out with probability 0.55, not 0.5).
+    Greedy output is the target's own whatever the length.
+    """
+    if not threshold or budget <= 1:
+        return budget
+    logits = result.logits[0, :budget].float()  # (m, V)
+    tokens = result.tokens[0, :budget].to(logits.device)
+    log_q = logits.gather(-1, tokens.view(-1, 1))[:, 0] - logits.logsumexp(dim=-1)  # (m,) log q_k(x_k)
+    below = (log_q.cumsum(dim=0) < math.log(threshold)).nonzero()
+    return budget if below.numel() == 0 else int(below[0]) + 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # transformers integration
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -343,7 +423,9 @@ class XPressCandidateGenerator(CandidateGenerator):
     It consumes the target's hidden states of its previous forward (`requires_model_outputs`): on the first call it
     returns the prompt unchanged so that the target prefills; afterwards it drafts `block_size - 1` tokens after the
     bonus token and returns them with the processed logits they were drawn from, so `_speculative_sampling` is
-    lossless.
+    lossless. Only the block's first `draft_length` drafts are returned: the call's `assistant_confidence_threshold`
+    and `num_assistant_tokens` (when they differ from transformers' defaults, `generation_config_draft_settings`)
+    over the xPress config's `draft_confidence_threshold` and `num_assistant_tokens`.
     """
 
     requires_model_outputs = True
@@ -358,6 +440,7 @@ class XPressCandidateGenerator(CandidateGenerator):
         self.lm_head = target.get_output_embeddings()
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
+        self.draft_rule = draft_length_rule(xpress.config, *generation_config_draft_settings(generation_config))
         self.logits_processor = logits_processor
         self.cache = DynamicCache(config=xpress.config)
         self.context_len = 0  # committed tokens whose features are in the drafter cache
@@ -379,7 +462,7 @@ class XPressCandidateGenerator(CandidateGenerator):
         self._drafted = False
         if is_first_iteration:
             return input_ids, None  # the target prefills first; we need its hidden states
-        budget = min(self.xpress.config.num_draft_tokens, self.max_length - input_ids.shape[1] - 1)
+        budget = min(self.draft_rule.cap, self.max_length - input_ids.shape[1] - 1)
         if budget <= 0:
             return input_ids, None  # the last token comes from the target alone; no later draft will follow
         if model_outputs is None or model_outputs.hidden_states is None:
@@ -407,10 +490,12 @@ class XPressCandidateGenerator(CandidateGenerator):
             timer=self.timer,
         )
         self.context_len = anchor_pos
+        length = draft_length(result, self.draft_rule.threshold, budget)
+        self.stats.draft_lengths.append(length)
         self._last_draft_end = self.timer.mark()
-        candidates = result.tokens[:, :budget].to(input_ids.device)
+        candidates = result.tokens[:, :length].to(input_ids.device)
         self._drafted = True
-        return torch.cat([input_ids, candidates], dim=1), result.logits[:, :budget]
+        return torch.cat([input_ids, candidates], dim=1), result.logits[:, :length]
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         self.stats.new_tokens += int(num_matches) + 1
@@ -473,6 +558,11 @@ def _check_internals() -> None:
         missing = params - set(inspect.signature(method).parameters)
         _require(not missing, f"GenerationMixin.{name} lost the parameters {sorted(missing)}")
     _require(hasattr(CandidateGenerator, "requires_model_outputs"), "CandidateGenerator.requires_model_outputs is gone")
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+    _require(
+        {"num_assistant_tokens", "assistant_confidence_threshold"} <= set(defaults),
+        "GenerationConfig._get_default_generation_params no longer names the assistant defaults",
+    )
     source = inspect.getsource(GenerationMixin._assisted_decoding)
     _require(
         "model_outputs=" in source and "model_kwargs_overrides" in source,
@@ -588,6 +678,8 @@ def spec_generate(
     logits_processor: LogitsProcessorList | None = None,
     stop_token_ids=None,
     generator: torch.Generator | None = None,
+    assistant_confidence_threshold: float | None = None,
+    num_assistant_tokens: int | None = None,
 ) -> XPressGenerateOutput:
     """xPress speculative decoding without `generate`: prefill, then draft → refine → verify → accept → crop.
 
@@ -596,9 +688,13 @@ def spec_generate(
     from the target's distribution after temperature/top-k/top-p. `repetition_penalty`, `no_repeat_ngram_size` and
     any `logits_processor` list apply to the target's p and the drafter's q alike, as in `generate`.
     `stop_token_ids` (default: the target's EOS; an int, a list or a tensor of ids) end generation after they are
-    emitted. Returns `.sequences` (prompt included) and `.stats`; the stats are also left at `xpress.generation_stats`.
+    emitted. `assistant_confidence_threshold` and `num_assistant_tokens` (None: the xPress config's
+    `draft_confidence_threshold` / `num_assistant_tokens`) set how many drafts of each block are verified
+    (`draft_length`). Returns `.sequences` (prompt included) and `.stats`; the stats are also left at
+    `xpress.generation_stats`.
     """
     check_assistant_call(target, xpress, input_ids)
+    draft_rule = draft_length_rule(xpress.config, assistant_confidence_threshold, num_assistant_tokens)
     check_decoding_arguments(max_new_tokens, temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size)
     if attention_mask is not None and (attention_mask.shape != input_ids.shape or not bool(attention_mask.all())):
         raise ValueError(
@@ -640,7 +736,7 @@ def spec_generate(
 
     while sequence.shape[1] - prompt_len < max_new_tokens and not bool(torch.isin(sequence[0, -1], stop)):
         anchor_pos = sequence.shape[1] - 1
-        budget = min(xpress.config.num_draft_tokens, max_new_tokens - (sequence.shape[1] - prompt_len) - 1)
+        budget = min(draft_rule.cap, max_new_tokens - (sequence.shape[1] - prompt_len) - 1)
         if budget > 0:
             transform = processors_transform(processors, sequence) if processors else None
             result = draft_block(
@@ -648,7 +744,9 @@ def spec_generate(
                 logits_transform=transform, do_sample=do_sample, generator=generator, stats=stats, timer=timer,
             )  # fmt: skip
             context_len = anchor_pos
-            draft, q_logits = result.tokens[0, :budget].to(sequence.device), result.logits[0, :budget]
+            length = draft_length(result, draft_rule.threshold, budget)
+            stats.draft_lengths.append(length)
+            draft, q_logits = result.tokens[0, :length].to(sequence.device), result.logits[0, :length]
         else:  # one token left: the target alone emits it
             draft = sequence.new_empty(0)
             q_logits = None

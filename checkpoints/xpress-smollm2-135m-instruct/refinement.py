@@ -60,6 +60,7 @@ def jacobi_refine(
     *,
     max_iters: int,
     early_exit: bool = True,
+    to_vocabulary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     logits_transform: LogitsTransform | None = None,
     noise: torch.Tensor | None = None,
     init_tokens: torch.Tensor | None = None,
@@ -69,9 +70,20 @@ def jacobi_refine(
     Each block stops counting iterations at its fixed point (an iteration that changes none of its tokens); with
     `early_exit` the loop ends once every block has stopped. By Theorem 1 the fixed point is the sequential decode and
     is reached in at most n iterations, so early exit changes nothing but the iteration count. `init_tokens` (b, n)
-    replaces the drafter seed (Theorem 1 holds from any seed).
+    replaces the drafter seed (Theorem 1 holds from any seed). `to_vocabulary` maps δ from the refiner's readout
+    (a draft vocabulary) onto the whole vocabulary of `base_logits`.
+
+    `max_iters=0` is the drafter's own marginals: the seed decode, no refiner pass, `iterations` 0 — exactly what
+    `plain_decode` (`refiner="none"`) drafts, so switching the head off measures its contribution in the same loop.
     """
     b, n = base_logits.shape[:2]
+    if max_iters < 0:
+        raise ValueError(f"max_iters must be >= 0 (0 = the drafter's own marginals), got {max_iters}")
+    if max_iters == 0:
+        if init_tokens is not None:  # no iteration would start from them, and they were not drawn from any q
+            raise ValueError("init_tokens needs max_iters >= 1: with max_iters=0 the drafter's own decode is returned")
+        return plain_decode(base_logits, logits_transform=logits_transform, noise=noise)
+    to_vocabulary = to_vocabulary or _identity
     prepared = refiner.prepare(hidden)  # token-independent part, once per block
     processed, tokens = decode(base_logits, logits_transform, noise)  # seed Y^0 from the drafter's marginals
     if init_tokens is not None:
@@ -80,7 +92,8 @@ def jacobi_refine(
     settled = torch.zeros(b, dtype=torch.bool, device=tokens.device)
     start = 0  # positions before `start` saw no prefix change in the last iteration: their logits stand
     for _ in range(max_iters):
-        delta = refiner.delta_folded(prepared, previous_tokens(anchor_ids, tokens), start=start)  # (b, n - start, V)
+        previous = previous_tokens(anchor_ids, tokens)
+        delta = to_vocabulary(refiner.delta_folded(prepared, previous, start=start))  # (b, n - start, V)
         tail_noise = None if noise is None else noise[:, start:]
         tail_logits, tail_tokens = decode(base_logits[:, start:] + delta, logits_transform, tail_noise)
         processed = torch.cat([processed[:, :start], tail_logits], dim=1) if start else tail_logits
@@ -105,6 +118,7 @@ def sequential_refine(
     base_logits: torch.Tensor,
     anchor_ids: torch.Tensor,
     *,
+    to_vocabulary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     logits_transform: LogitsTransform | None = None,
     noise: torch.Tensor | None = None,
 ) -> RefinementResult:
@@ -116,7 +130,7 @@ def sequential_refine(
     logits = torch.empty(b, n, v, dtype=torch.float32, device=base_logits.device)
     for k in range(n):
         # Positions > k are ignored by causality; slices stay 3-D (b, 1, V) because a logits transform takes blocks.
-        delta = refiner(hidden, previous_tokens(anchor_ids, tokens))[:, k : k + 1]
+        delta = (to_vocabulary or _identity)(refiner(hidden, previous_tokens(anchor_ids, tokens))[:, k : k + 1])
         step_noise = None if noise is None else noise[:, k : k + 1]
         step_logits, step_tokens = decode(base_logits[:, k : k + 1] + delta, logits_transform, step_noise)
         logits[:, k], tokens[:, k] = step_logits[:, 0], step_tokens[:, 0]
@@ -129,10 +143,12 @@ def markov_decode(
     base_logits: torch.Tensor,
     anchor_ids: torch.Tensor,
     *,
+    to_vocabulary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     logits_transform: LogitsTransform | None = None,
     noise: torch.Tensor | None = None,
 ) -> RefinementResult:
     """The Markov head's serial decode: n dependent steps, each reading only the previous token."""
+    to_vocabulary = to_vocabulary or _identity
     b, n, v = base_logits.shape
     tokens = torch.empty(b, n, dtype=torch.long, device=base_logits.device)
     logits = torch.empty(b, n, v, dtype=torch.float32, device=base_logits.device)
@@ -140,7 +156,7 @@ def markov_decode(
     for k in range(n):
         # One position at a time, kept 3-D (b, 1, V): a logits transform takes a block of positions.
         step_noise = None if noise is None else noise[:, k : k + 1]
-        step_logits, previous = decode(base_logits[:, k : k + 1] + head.bias(previous), logits_transform, step_noise)
+        step_logits, previous = decode(base_logits[:, k : k + 1] + to_vocabulary(head.bias(previous)), logits_transform, step_noise)
         logits[:, k], tokens[:, k] = step_logits[:, 0], previous[:, 0]
     return RefinementResult(tokens=tokens, logits=logits, iterations=torch.full((b,), n, device=tokens.device))
 
