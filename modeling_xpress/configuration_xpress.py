@@ -31,8 +31,14 @@ _INTEGER_FIELDS = (
 )  # fmt: skip
 
 
-def _is_int(value) -> bool:
+def is_integer(value) -> bool:
+    """A whole number (Python, numpy, ...), not a float and not a bool: what every integer setting must be."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    """A real number, not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -186,7 +192,7 @@ class XPressConfig(PreTrainedConfig):
     def validate_xpress(self) -> None:
         """Raise a `ValueError` naming the first field whose value cannot work."""
         for name in _INTEGER_FIELDS:
-            if not _is_int(getattr(self, name)):
+            if not is_integer(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.refiner not in REFINER_TYPES:
             raise ValueError(f"refiner must be one of {REFINER_TYPES}, got {self.refiner!r}")
@@ -203,13 +209,13 @@ class XPressConfig(PreTrainedConfig):
             )
         threshold = self.draft_confidence_threshold
         if threshold is not None and (
-            not isinstance(threshold, numbers.Real) or isinstance(threshold, bool) or not 0 <= threshold <= 1
+            not is_real(threshold) or not 0 <= threshold <= 1
         ):
             raise ValueError(
                 f"draft_confidence_threshold must be None (no cut) or a number in [0, 1], got {threshold!r}"
             )
         cap = self.num_assistant_tokens
-        if cap is not None and (not _is_int(cap) or not 1 <= cap <= self.block_size - 1):
+        if cap is not None and (not is_integer(cap) or not 1 <= cap <= self.block_size - 1):
             raise ValueError(
                 f"num_assistant_tokens must be None (the whole block) or an integer in 1..{self.block_size - 1} "
                 f"(block_size - 1), got {cap!r}"
@@ -227,7 +233,7 @@ class XPressConfig(PreTrainedConfig):
             )
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty: the drafter needs at least one target layer as context")
-        not_int = [i for i in self.target_layer_ids if not _is_int(i)]
+        not_int = [i for i in self.target_layer_ids if not is_integer(i)]
         if not_int:
             raise ValueError(f"target_layer_ids must be integer layer indices, got {not_int} in {self.target_layer_ids}")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
@@ -237,13 +243,13 @@ class XPressConfig(PreTrainedConfig):
                 f"{self.num_target_layers} (valid: 0..{self.num_target_layers - 1})"
             )
         if self.draft_vocab_size is not None and (
-            not _is_int(self.draft_vocab_size) or not 1 <= self.draft_vocab_size <= self.vocab_size
+            not is_integer(self.draft_vocab_size) or not 1 <= self.draft_vocab_size <= self.vocab_size
         ):
             raise ValueError(
                 f"draft_vocab_size must be None (the whole vocabulary) or an integer in 1..{self.vocab_size}, got "
                 f"{self.draft_vocab_size!r}"
             )
-        if self.mask_token_id is not None and not _is_int(self.mask_token_id):
+        if self.mask_token_id is not None and not is_integer(self.mask_token_id):
             raise ValueError(
                 f"mask_token_id must be an integer token id (or None for a learned mask vector), got {self.mask_token_id!r}"
             )

@@ -50,6 +50,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from .configuration_xpress import is_integer
 from .regeneration import SHARD_MANIFEST, _model_fingerprint, _open_shard_dir, _run_fingerprint, _write_json_atomic
 from .training import IGNORE_INDEX, XPressDataCollator
 
@@ -231,14 +232,16 @@ def cache_target_signals(
     if dtype not in _STORED_FEATURE_TYPE:
         raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
     vocab_size = target.get_output_embeddings().weight.shape[0]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab_size:
+    if not is_integer(top_k) or not 1 <= top_k <= vocab_size:
         raise ValueError(f"top_k must be an integer between 1 and the vocabulary size {vocab_size}, got {top_k!r}")
     for name, value in (("batch_size", batch_size), ("shard_size", shard_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_integer(value) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
+    if max_length is not None and (not is_integer(max_length) or max_length < 2):
         raise ValueError(f"max_length must be an integer >= 2 or None, got {max_length!r}")
     num_layers = target.config.get_text_config(decoder=True).num_hidden_layers
+    if not all(is_integer(i) for i in layer_ids):
+        raise ValueError(f"layer_ids must be integer target layer indices, got {list(layer_ids)}")
     layer_ids = [int(i) for i in layer_ids]
     if not layer_ids or any(not 0 <= i < num_layers for i in layer_ids):
         raise ValueError(f"layer_ids must be target layers in [0, {num_layers}), got {layer_ids}")

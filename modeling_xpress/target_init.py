@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 from transformers import PreTrainedModel
 
-from .configuration_xpress import TARGET_QK_NORM, XPressConfig
+from .configuration_xpress import TARGET_QK_NORM, XPressConfig, is_integer
 from .modeling_xpress import XPressModel
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(TARGET_QK_NORM))
@@ -72,7 +72,7 @@ def resolve_target_layers(
             raise ValueError(f"target_layers must be 'last' or a list of target layer indices, got {target_layers!r}")
         return default_copied_layers(num_target_layers, num_draft_layers)
     layers = list(target_layers)
-    not_int = [i for i in layers if not isinstance(i, int) or isinstance(i, bool)]
+    not_int = [i for i in layers if not is_integer(i)]
     if not_int:
         raise ValueError(f"target_layers must be integer layer indices, got {not_int} in {layers}")
     if len(layers) != num_draft_layers:

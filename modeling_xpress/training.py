@@ -23,7 +23,6 @@ import copy
 import hashlib
 import json
 import math
-import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -33,6 +32,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArgu
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.utils import ModelOutput, logging
 
+from .configuration_xpress import is_integer
 from .modeling_xpress import XPressModel
 from .refinement import previous_tokens
 
@@ -50,7 +50,7 @@ IGNORE_INDEX = -100
 
 def _check_int(name: str, value, minimum: int | None = None) -> None:
     """Raise a `ValueError` naming `name` unless `value` is an integer (not a float, not a bool) >= `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_integer(value):
         raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -15,7 +15,6 @@ import contextlib
 import functools
 import inspect
 import math
-import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from .configuration_xpress import is_integer, is_real
 from .refinement import RefinementResult, gumbel_noise
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -196,31 +196,23 @@ def process_verification_logits(
     return torch.cat([processors(ids[:, : length + j], logits[j : j + 1]) for j in range(logits.shape[0])])
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def check_decoding_arguments(
     max_new_tokens, temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size
 ) -> None:
     """`spec_generate`'s decoding arguments, each refused by name when it cannot work (as `GenerationConfig` does)."""
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+    if not is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+    if top_k is not None and (not is_integer(top_k) or top_k < 0):
         raise ValueError(f"top_k must be None or an integer >= 0 (0 = no top-k), got {top_k!r}")
-    if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
+    if top_p is not None and (not is_real(top_p) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
     if repetition_penalty is not None and (
-        not _is_real(repetition_penalty) or not math.isfinite(repetition_penalty) or repetition_penalty <= 0
+        not is_real(repetition_penalty) or not math.isfinite(repetition_penalty) or repetition_penalty <= 0
     ):
         raise ValueError(f"repetition_penalty must be None or a finite number > 0, got {repetition_penalty!r}")
-    if no_repeat_ngram_size is not None and (not _is_int(no_repeat_ngram_size) or no_repeat_ngram_size < 0):
+    if no_repeat_ngram_size is not None and (not is_integer(no_repeat_ngram_size) or no_repeat_ngram_size < 0):
         raise ValueError(f"no_repeat_ngram_size must be None or an integer >= 0, got {no_repeat_ngram_size!r}")
 
 
@@ -329,11 +321,11 @@ def draft_length_rule(config, assistant_confidence_threshold=None, num_assistant
     # config class without them; it keeps verifying whole blocks, as it did.
     threshold = getattr(config, "draft_confidence_threshold", None) if threshold is None else threshold
     cap = getattr(config, "num_assistant_tokens", None) if cap is None else cap
-    if threshold is not None and (not _is_real(threshold) or not 0 <= threshold <= 1):
+    if threshold is not None and (not is_real(threshold) or not 0 <= threshold <= 1):
         raise ValueError(
             f"assistant_confidence_threshold must be None or a number in [0, 1] (0 = no cut), got {threshold!r}"
         )
-    if cap is not None and (not _is_int(cap) or cap < 1):
+    if cap is not None and (not is_integer(cap) or cap < 1):
         raise ValueError(f"num_assistant_tokens must be None or an integer >= 1, got {cap!r}")
     block = config.num_draft_tokens
     return DraftLengthRule(threshold=threshold, cap=block if cap is None else min(cap, block))
