@@ -11,13 +11,21 @@ A stage whose output folder already holds a final model is skipped; an interrupt
 checkpoint. `<out>/training_summary.json` records each stage's command, configuration, steps, wall time and final
 logged losses.
 
-    python examples/smollm2_pipeline.py --out runs/v2          # the bundled checkpoint's run: defaults below
+    python examples/smollm2_pipeline.py --out runs/v3 --recipe v3   # issue 10: the run the next checkpoint comes from
+    python examples/smollm2_pipeline.py --out runs/v2 --recipe v2   # the bundled checkpoint's run
 
-Defaults are the settings of the bundled checkpoint's run (measured: 58 min for the drafter and 8-11 min per head on
-two cores with the target in bf16); `--drafter-steps 400 --head-steps 150 --anchors 8 --threads 1` was the pilot.
-One difference from that run: its drafter had QK-norm, while a SmolLM2 drafter built now has none
-(`XPressConfig.from_target_config` follows the Llama target, `qk_norm=False`), whether it starts from scratch or from
-the target.
+Recipes (each flag can still be set by hand after `--recipe`):
+
+* `v2` — the bundled checkpoint's run: 2,400 regenerated responses, a random drafter, 1000 + 150 steps, full
+  vocabulary, live target (measured: 58 min for the drafter and 8-11 min per head on two cores, target in bf16;
+  `--drafter-steps 400 --head-steps 150 --anchors 8 --threads 1` was the pilot). One difference from that run: its
+  drafter had QK-norm, while a SmolLM2 drafter built now has none (`XPressConfig.from_target_config` follows the Llama
+  target, `qk_norm=False`).
+* `v3` — all regenerated sets (prompts 0..7599 minus the held-out 7000..7199), a drafter starting from the target's
+  last two layers, a 4096-token draft vocabulary, the target's signals cached once (`--signal-cache`) and shared by
+  every stage, evaluated every `--eval-steps` on 100 held-out rows and stopped when `eval_tau_estimate` has not improved
+  for `--patience` evaluations (the best checkpoint is kept). Stages resume from their last checkpoint, so a run spread
+  over several sessions continues where it stopped.
 """
 
 import argparse
@@ -51,6 +59,15 @@ def final_logs(folder: Path) -> dict:
     return {"global_step": state.get("global_step"), "last_log": logs[-1] if logs else None}
 
 
+RECIPES = {
+    "v2": {"data": "data/smollm2_responses/responses.parquet", "drafter_init": "scratch", "draft_vocab_size": None,
+           "signal_cache": None, "eval_held_out": 0},
+    "v3": {"data": "data/smollm2_responses,data/smollm2_responses_2400-7200,data/smollm2_responses_7200-7600",
+           "drafter_init": "target", "draft_vocab_size": 4096, "signal_cache": "cache/signals-smollm2-v3",
+           "eval_held_out": 100, "drafter_steps": 6000, "head_steps": 600, "threads": 1, "save_steps": 250},
+}  # fmt: skip
+
+
 def run_stage(name: str, args: argparse.Namespace, extra: list[str], summary: dict) -> None:
     out = Path(args.out) / name
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
@@ -62,9 +79,18 @@ def run_stage(name: str, args: argparse.Namespace, extra: list[str], summary: di
         "--data", args.data, "--output_dir", str(out), "--threads", str(args.threads), "--bf16",
         "--per_device_train_batch_size", str(args.batch_size), "--anchors_per_sequence", str(args.anchors),
         "--max_seq_length", str(args.max_seq_length), "--learning_rate", str(args.learning_rate),
-        "--lr_scheduler_type", "cosine", "--logging_steps", "5", "--save_steps", "50", "--save_total_limit", "2",
-        "--report_to", "none", "--seed", str(args.seed), *extra,
+        "--lr_scheduler_type", "cosine", "--logging_steps", "5", "--save_steps", str(args.save_steps),
+        "--save_total_limit", "2", "--report_to", "none", "--seed", str(args.seed), *extra,
     ]  # fmt: skip
+    if args.signal_cache:
+        command += ["--signal_cache", args.signal_cache]
+    if args.eval_held_out:
+        command += [
+            "--eval_held_out", str(args.eval_held_out), "--eval_strategy", "steps", "--eval_steps", str(args.save_steps),
+            "--load_best_model_at_end", "true", "--metric_for_best_model", "eval_tau_estimate",
+            "--greater_is_better", "true", "--early_stopping_patience", str(args.patience),
+            "--per_device_eval_batch_size", str(args.batch_size),
+        ]  # fmt: skip
     resume = last_checkpoint(out)
     if resume is not None:
         command += ["--resume_from_checkpoint", str(resume)]
@@ -76,13 +102,19 @@ def run_stage(name: str, args: argparse.Namespace, extra: list[str], summary: di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default="data/smollm2_responses/responses.parquet")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="v2", help="defaults of a documented run")
+    parser.add_argument("--data", help="a parquet file, or comma-separated make_training_data.py folders")
     parser.add_argument("--out", default="runs/smollm2")
-    parser.add_argument("--drafter-steps", type=int, default=1000)
+    parser.add_argument("--drafter-steps", type=int, default=1000, help="at most; early stopping may end it sooner")
     parser.add_argument("--head-steps", type=int, default=150, help="equal budget for each continuation")
     parser.add_argument("--num-draft-layers", type=int, default=2)
-    parser.add_argument("--drafter-init", choices=["scratch", "target"], default="scratch",
+    parser.add_argument("--drafter-init", choices=["scratch", "target"],
                         help="drafter stage: random weights, or the target's last --num-draft-layers layers")
+    parser.add_argument("--draft-vocab-size", type=int, help="drafter stage: frequency-ranked draft vocabulary")
+    parser.add_argument("--signal-cache", help="folder of the target's cached signals, shared by every stage")
+    parser.add_argument("--eval-held-out", type=int, help="held-out rows evaluated every --save-steps (0: none)")
+    parser.add_argument("--patience", type=int, default=4, help="evaluations without a better eval_tau_estimate")
+    parser.add_argument("--save-steps", type=int, default=50)
     parser.add_argument("--refiner-rank", type=int, default=64, help="rank of the Markov and xPress heads")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--anchors", type=int, default=32, help="blocks drawn per sequence")
@@ -91,6 +123,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stages", nargs="+", default=["drafter", *HEADS], choices=["drafter", *HEADS])
+    parser.set_defaults(**{key: value for key, value in RECIPES[parser.parse_known_args()[0].recipe].items()})
     args = parser.parse_args()
 
     summary_path = Path(args.out) / "training_summary.json"
@@ -103,6 +136,8 @@ def main() -> None:
                      "--max_steps", str(args.drafter_steps), "--warmup_steps", "20"]  # fmt: skip
             if args.drafter_init == "target":
                 extra += ["--init_from_target_layers", "last"]
+            if args.draft_vocab_size:
+                extra += ["--draft_vocab_size", str(args.draft_vocab_size)]
         else:
             extra = ["--init_from", str(drafter), "--refiner", REFINER_OF[stage], "--refiner_rank",
                      str(args.refiner_rank), "--max_steps", str(args.head_steps), "--warmup_steps", "10"]  # fmt: skip

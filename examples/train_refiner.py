@@ -39,13 +39,26 @@ from pathlib import Path
 
 import datasets
 import torch
-from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, LlamaForCausalLM, set_seed
+from transformers import (
+    AutoModelForCausalLM,
+    EarlyStoppingCallback,
+    HfArgumentParser,
+    LlamaConfig,
+    LlamaForCausalLM,
+    set_seed,
+)
 
 from modeling_xpress import XPressConfig, XPressModel
 from modeling_xpress.assets import DTYPES
+from modeling_xpress.regeneration import load_response_sets
 from modeling_xpress.signal_cache import cache_target_signals
 from modeling_xpress.target_init import init_drafter_from_target
-from modeling_xpress.training import XPressTrainer, XPressTrainingArguments, with_fresh_head
+from modeling_xpress.training import (
+    XPressTrainer,
+    XPressTrainingArguments,
+    frequency_ranked_vocabulary,
+    with_fresh_head,
+)
 
 TINY_RANDOM = "tiny-random"
 
@@ -69,9 +82,26 @@ class ScriptArguments:
     )
     data: str = field(
         default="",
-        metadata={"help": "Training data: a `datasets` folder (save_to_disk), a .parquet file, or a response shard folder."},
+        metadata={"help": "Training data: a `datasets` folder (save_to_disk), a .parquet file, a response shard folder, "
+                  "or comma-separated folders of examples/make_training_data.py (joined by prompt index; the held-out "
+                  "prompts, modeling_xpress.regeneration.HELD_OUT_PROMPTS, are kept out of training)."},
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training rows."})
+    eval_held_out: int = field(
+        default=0,
+        metadata={"help": "Evaluate on the first N held-out rows of comma-separated --data folders (with "
+                  "--eval_strategy steps --eval_steps E; eval_tau_estimate is the figure to watch)."},
+    )
+    early_stopping_patience: int | None = field(
+        default=None,
+        metadata={"help": "Stop when eval_tau_estimate has not improved for this many evaluations (transformers' "
+                  "EarlyStoppingCallback; needs --eval_held_out) and keep the best checkpoint."},
+    )
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "Fresh drafter: draft only the N most frequent response tokens of the training rows (EOS "
+                  "always included; XPressConfig.draft_vocab_size). Verification stays lossless."},
+    )
     # Head and drafter shape (a fresh drafter uses all of them; a dFlash checkpoint only the head ones).
     refiner: str | None = field(
         default=None,
@@ -133,11 +163,16 @@ def load_target(args: ScriptArguments, seed: int):
     return AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, **kwargs).eval()
 
 
-def load_data(args: ScriptArguments, target, seed: int) -> datasets.Dataset:
+def load_data(args: ScriptArguments, target, seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """(train rows, held-out rows or None)."""
+    held_out = None
     if not args.data:
         if args.target != TINY_RANDOM:
             raise ValueError("--data is required (regenerate responses with modeling_xpress.regeneration first)")
         data = synthetic_responses(target, seed=seed)
+    elif "," in args.data:
+        data, held_out = load_response_sets([part for part in args.data.split(",") if part])
+        data, held_out = data.remove_columns("prompt_index"), held_out.remove_columns("prompt_index")
     else:
         path = Path(args.data)
         if path.is_dir() and (path / "dataset_info.json").is_file():
@@ -153,7 +188,11 @@ def load_data(args: ScriptArguments, target, seed: int) -> datasets.Dataset:
         raise ValueError(f"{args.data or 'the data'} lacks the columns {sorted(missing)}; need input_ids and loss_mask")
     if args.max_train_samples is not None:
         data = data.select(range(min(args.max_train_samples, len(data))))
-    return data
+    if args.eval_held_out:
+        if held_out is None or len(held_out) == 0:
+            raise ValueError("--eval_held_out needs comma-separated --data folders that include held-out prompts")
+        held_out = held_out.select(range(min(args.eval_held_out, len(held_out))))
+    return data, held_out if args.eval_held_out else None
 
 
 def copied_target_layers(value: str) -> str | list[int]:
@@ -166,7 +205,7 @@ def copied_target_layers(value: str) -> str | list[int]:
         raise ValueError(f"--init_from_target_layers must be 'last' or comma-separated integers, got {value!r}") from None
 
 
-def build_drafter(args: ScriptArguments, target) -> XPressModel:
+def build_drafter(args: ScriptArguments, target, data) -> XPressModel:
     """Fresh drafter (random, or starting from the target's layers), a converted dFlash checkpoint, or an existing
     xPress checkpoint (`--init_from`)."""
     head = {"refiner_rank": args.refiner_rank}
@@ -181,10 +220,18 @@ def build_drafter(args: ScriptArguments, target) -> XPressModel:
         shape = dict(block_size=args.block_size, num_hidden_layers=args.num_draft_layers, mask_token_id=args.mask_token_id)
         if args.draft_intermediate_size is not None:
             shape["intermediate_size"] = args.draft_intermediate_size
+        if args.draft_vocab_size is not None:
+            shape["draft_vocab_size"] = args.draft_vocab_size
         model = XPressModel(XPressConfig.from_target_config(target.config, **shape, **head))
+        if args.draft_vocab_size is not None:
+            eos = target.generation_config.eos_token_id
+            always = tuple(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+            model.set_draft_vocabulary(frequency_ranked_vocabulary(data, args.draft_vocab_size, always=always))
         if args.init_from_target_layers:
             init_drafter_from_target(model, target, copied_target_layers(args.init_from_target_layers))
         return model
+    if args.draft_vocab_size is not None:
+        raise ValueError("--draft_vocab_size shapes a fresh drafter; --init_from keeps the checkpoint's vocabulary")
     folder = Path(args.init_from)
     config = json.loads((folder / "config.json").read_text())
     if config.get("model_type") == "xpress":
@@ -199,15 +246,15 @@ def build_drafter(args: ScriptArguments, target) -> XPressModel:
     return XPressModel.from_dflash(folder, num_target_layers=text.num_hidden_layers, **facts, **head)
 
 
-def cached_signals(args: ScriptArguments, training_args: XPressTrainingArguments, target, data, xpress):
-    """`--signal_cache`: the target's features and p^t for `data`, written once (by the main process first; the others
-    find it finished) and read back; training then runs no target forward."""
+def cached_signals(args: ScriptArguments, training_args: XPressTrainingArguments, target, data, xpress, folder: str):
+    """`--signal_cache`: the target's features and p^t for `data`, written once to `folder` (by the main process
+    first; the others find it finished) and read back; training then runs no target forward."""
     dtype = DTYPES.get(args.signal_cache_dtype)
     if dtype is None:
         raise ValueError(f"--signal_cache_dtype must be float32 or bfloat16, got {args.signal_cache_dtype!r}")
     with training_args.main_process_first(desc="signal cache"):
         return cache_target_signals(
-            target.to(training_args.device), data, xpress.config.target_layer_ids, args.signal_cache,
+            target.to(training_args.device), data, xpress.config.target_layer_ids, folder,
             top_k=args.signal_cache_top_k, dtype=dtype, max_length=training_args.max_seq_length,
             batch_size=training_args.per_device_train_batch_size, progress=not training_args.disable_tqdm,
         )  # fmt: skip
@@ -219,11 +266,25 @@ def main() -> None:
         torch.set_num_threads(script_args.threads)
     set_seed(training_args.seed)
     target = load_target(script_args, training_args.seed)
-    data = load_data(script_args, target, training_args.seed)
-    xpress = build_drafter(script_args, target)
+    data, held_out = load_data(script_args, target, training_args.seed)
+    xpress = build_drafter(script_args, target, data)
     if script_args.signal_cache:
-        data = cached_signals(script_args, training_args, target, data, xpress)
-    trainer = XPressTrainer(model=xpress, target=target, args=training_args, train_dataset=data)
+        data = cached_signals(script_args, training_args, target, data, xpress, script_args.signal_cache)
+        if held_out is not None:  # its own folder: a cache is the signals of one set of rows
+            held_out = cached_signals(
+                script_args, training_args, target, held_out, xpress, script_args.signal_cache.rstrip("/") + "-held-out"
+            )
+    callbacks = []
+    if script_args.early_stopping_patience is not None:
+        if held_out is None or not training_args.load_best_model_at_end:
+            raise ValueError(
+                "--early_stopping_patience needs --eval_held_out N and --load_best_model_at_end "
+                "--metric_for_best_model eval_tau_estimate --greater_is_better (with matching eval/save steps)"
+            )
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=script_args.early_stopping_patience))
+    trainer = XPressTrainer(
+        model=xpress, target=target, args=training_args, train_dataset=data, eval_dataset=held_out, callbacks=callbacks
+    )
     if trainer.is_world_process_zero():
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         print(

@@ -351,3 +351,56 @@ def load_responses(path: str | os.PathLike) -> datasets.Dataset:
         f"{path} is neither a parquet file, a folder with responses.parquet, nor a shard folder with "
         f"shard-*.parquet files. Run examples/make_training_data.py to create one."
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Several regenerated sets as one training set, with the held-out split kept apart
+# ---------------------------------------------------------------------------------------------------------------------
+
+HELD_OUT_PROMPTS = range(7000, 7200)
+"""Prompt indices of `training_prompts(n, seed=0)` (any n ≥ 7200: the generator is prefix-stable) reserved as the
+held-out split of the SmolLM2 training data: used to choose defaults (draft length) and to decide when training
+stops improving, never trained on, and never the evaluation sets (HumanEval, MT-Bench)."""
+
+
+def response_prompt_indices(folder: str | os.PathLike) -> range:
+    """The prompt indices of a folder written by `examples/make_training_data.py`, from its `meta.json`: rows are in
+    prompt order, `prompts.indices` = [first, end) (absent in sets that start at 0)."""
+    meta_path = Path(folder) / "meta.json"
+    if not meta_path.is_file():
+        raise ValueError(f"{folder} has no meta.json: pass a folder written by examples/make_training_data.py")
+    prompts = json.loads(meta_path.read_text())["prompts"]
+    first, end = prompts.get("indices", [0, prompts["n"]])
+    return range(first, end)
+
+
+def load_response_sets(
+    folders: Sequence[str | os.PathLike], held_out: Sequence[int] | None = None
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Regenerated sets (folders of `make_training_data.py`) joined into (train, held_out) by prompt index.
+
+    Each row gains a `prompt_index` column. A prompt index that appears in two folders is refused (the same prompt
+    twice would weigh it double and may leak across the split). `held_out` (default `HELD_OUT_PROMPTS`) rows go to
+    the second dataset only.
+    """
+    held = set(HELD_OUT_PROMPTS if held_out is None else held_out)
+    parts, seen = [], set()
+    for folder in folders:
+        indices = response_prompt_indices(folder)
+        rows = load_responses(folder)
+        if len(rows) != len(indices):
+            raise ValueError(
+                f"{folder} holds {len(rows)} rows but its meta.json names prompts {indices.start}..{indices.stop - 1}: "
+                "an unfinished set? Finish it with make_training_data.py first"
+            )
+        overlap = seen & set(indices)
+        if overlap:
+            raise ValueError(f"{folder} repeats prompt indices of an earlier folder (first: {min(overlap)})")
+        seen |= set(indices)
+        parts.append(rows.add_column("prompt_index", list(indices)))
+    if not parts:
+        raise ValueError("no folders given")
+    joined = datasets.concatenate_datasets(parts)
+    is_held = [i in held for i in joined["prompt_index"]]
+    train = joined.select([r for r, h in enumerate(is_held) if not h])
+    return train, joined.select([r for r, h in enumerate(is_held) if h])

@@ -4,6 +4,7 @@ Everything runs on a tiny random Llama and a character-level tokenizer built her
 downloaded and the whole file takes seconds on a CPU.
 """
 
+import json
 import subprocess
 import zipfile
 
@@ -15,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from modeling_xpress import assets
 from modeling_xpress.prompts import training_prompts
-from modeling_xpress.regeneration import load_responses, regenerate_responses
+from modeling_xpress.regeneration import load_response_sets, load_responses, regenerate_responses
 
 PAD, EOS = 0, 1
 MAX_NEW = 12
@@ -229,6 +230,34 @@ def test_load_responses_reads_a_parquet_file(tmp_path):
     assert load_responses(tmp_path / "responses.parquet").to_dict() == data.to_dict()
     with pytest.raises(ValueError, match="make_training_data"):
         load_responses(tmp_path / "nothing-here")
+
+
+def write_response_set(folder, first: int, end: int, with_indices: bool = True) -> None:
+    """A folder as make_training_data.py writes it: rows in prompt order, meta.json naming the prompt indices."""
+    folder.mkdir(parents=True)
+    rows = {"input_ids": [[i, i + 1, i + 2] for i in range(first, end)], "loss_mask": [[0, 1, 1]] * (end - first)}
+    datasets.Dataset.from_dict(rows).to_parquet(str(folder / "responses.parquet"))
+    prompts = {"n": end - first, "seed": 0} | ({"indices": [first, end]} if with_indices else {})
+    (folder / "meta.json").write_text(json.dumps({"prompts": prompts}))
+
+
+def test_response_sets_join_by_prompt_index_and_keep_the_held_out_prompts_apart(tmp_path):
+    write_response_set(tmp_path / "a", 0, 6, with_indices=False)  # the first set names only n
+    write_response_set(tmp_path / "b", 6, 12)
+    train, held = load_response_sets([tmp_path / "a", tmp_path / "b"], held_out=range(4, 8))
+    assert train["prompt_index"] == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert held["prompt_index"] == [4, 5, 6, 7]
+    assert [row[0] for row in train["input_ids"]] == train["prompt_index"]  # rows stay with their prompts
+    assert [row[0] for row in held["input_ids"]] == held["prompt_index"]
+    write_response_set(tmp_path / "c", 10, 14)
+    with pytest.raises(ValueError, match="repeats prompt indices"):
+        load_response_sets([tmp_path / "b", tmp_path / "c"])
+    write_response_set(tmp_path / "short", 20, 23)
+    (tmp_path / "short" / "meta.json").write_text(json.dumps({"prompts": {"n": 5, "indices": [20, 25]}}))
+    with pytest.raises(ValueError, match="unfinished"):
+        load_response_sets([tmp_path / "short"])
+    with pytest.raises(ValueError, match="meta.json"):
+        load_response_sets([tmp_path / "nothing"])
 
 
 # ----------------------------------------------------------------------------- prompts

@@ -619,3 +619,35 @@ def test_example_script_converts_a_dflash_checkpoint_then_continues_from_its_own
     markov = XPressModel.from_pretrained(tmp_path / "c")
     assert markov.config.refiner == "markov"
     torch.testing.assert_close(markov.layers[0].mlp.up_proj.weight, converted.layers[0].mlp.up_proj.weight)
+
+
+def test_example_script_trains_on_joined_sets_with_a_draft_vocabulary_and_stops_on_the_held_out_split(
+    tmp_path, monkeypatch
+):
+    """Comma-separated --data folders: the held-out prompts are evaluated, never trained on; the draft vocabulary is
+    ranked on the training rows only; early stopping on eval_tau_estimate keeps the best checkpoint."""
+    from tests.test_data import write_response_set
+
+    target = tiny_qwen3()
+    target.save_pretrained(tmp_path / "target")
+    rows = random_rows([30, 25, 40, 33, 28, 35])
+    for name, (first, end) in {"a": (0, 3), "b": (3, 6)}.items():
+        write_response_set(tmp_path / name, first, end)
+        datasets.Dataset.from_list(rows[first:end]).to_parquet(str(tmp_path / name / "responses.parquet"))
+    monkeypatch.setattr("modeling_xpress.regeneration.HELD_OUT_PROMPTS", range(4, 6))
+    train_tokens = {t for row in rows[:4] for t, m in zip(row["input_ids"], row["loss_mask"]) if m}
+    run_example(
+        monkeypatch, "--target", str(tmp_path / "target"), "--data", f"{tmp_path / 'a'},{tmp_path / 'b'}",
+        "--refiner", "none", "--num_draft_layers", "1", "--draft_vocab_size", "12", "--eval_held_out", "2",
+        "--signal_cache", str(tmp_path / "signals"), "--output_dir", str(tmp_path / "run"), "--max_steps", "40",
+        "--eval_strategy", "steps", "--eval_steps", "1", "--save_steps", "1", "--load_best_model_at_end", "true",
+        "--metric_for_best_model", "eval_tau_estimate", "--greater_is_better", "true", "--early_stopping_patience", "2",
+        "--per_device_train_batch_size", "2", "--learning_rate", "0",
+    )  # fmt: skip
+    model = XPressModel.from_pretrained(tmp_path / "run")
+    assert model.config.draft_vocab_size == 12
+    assert set(model.draft_token_ids.tolist()) <= train_tokens | {target.generation_config.eos_token_id}
+    state = json.loads(sorted((tmp_path / "run").glob("checkpoint-*"))[-1].joinpath("trainer_state.json").read_text())
+    evals = [entry for entry in state["log_history"] if "eval_tau_estimate" in entry]
+    assert evals and state["global_step"] < 40  # learning rate 0: τ never improves, so patience 2 stops it early
+    assert (tmp_path / "signals-held-out" / "manifest.json").is_file()
