@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -731,6 +732,23 @@ class _AnchorEpochCallback(TrainerCallback):
         self.collator.set_epoch(math.floor(state.epoch))
 
 
+class _TrainingClock(TrainerCallback):
+    """Training wall time summed over every process run of a training (first run and each resume): the seconds of
+    the interrupted runs come back with the restored state's last logged `train_seconds`."""
+
+    def __init__(self):
+        self.before = 0.0
+        self.start = time.perf_counter()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        logged = [entry["train_seconds"] for entry in state.log_history if "train_seconds" in entry]
+        self.before = logged[-1] if logged else 0.0
+        self.start = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.before + time.perf_counter() - self.start
+
+
 def with_draft_vocabulary(model: XPressModel, token_ids) -> XPressModel:
     """A new `XPressModel` with `model`'s weights restricted to the draft vocabulary `token_ids` (target ids, e.g.
     `frequency_ranked_vocabulary(...)`): the head keeps its readout rows of those tokens, the drafter is unchanged.
@@ -841,6 +859,8 @@ class XPressTrainer(Trainer):
                     "dataloader_persistent_workers=False (workers then restart, with the new epoch, every epoch)."
                 )
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), _AnchorEpochCallback(data_collator)]
+        self._clock = _TrainingClock()
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self._clock]
         super().__init__(
             model=objective,
             args=args,
@@ -890,10 +910,13 @@ class XPressTrainer(Trainer):
         return {prefix + name: s / c for name, (s, c) in zip(names, stacked.tolist()) if c > 0}
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the objective's terms and per-position acceptance to the Trainer's own training / evaluation logs."""
+        """Add the objective's terms, per-position acceptance and the training's wall time so far (`train_seconds`,
+        summed over resumed runs) to the Trainer's own training / evaluation logs."""
         split = "train" if "loss" in logs else "eval" if "eval_loss" in logs else None
         if split is not None and self._metric_sums[split]:
             logs.update(self._flush_metrics(split))
+        if split is not None:  # wall time of the whole training so far, resumes included (`_TrainingClock`)
+            logs["train_seconds"] = round(self._clock.seconds(), 1)
         super().log(logs, start_time)
 
     # --- checkpoints -------------------------------------------------------------------------------------------------

@@ -651,3 +651,33 @@ def test_example_script_trains_on_joined_sets_with_a_draft_vocabulary_and_stops_
     evals = [entry for entry in state["log_history"] if "eval_tau_estimate" in entry]
     assert evals and state["global_step"] < 40  # learning rate 0: τ never improves, so patience 2 stops it early
     assert (tmp_path / "signals-held-out" / "manifest.json").is_file()
+
+
+def test_logged_training_time_continues_across_a_resume(tmp_path, monkeypatch):
+    """`train_seconds` in the logs is the training's wall time over every run: a resumed run (a new process, its clock
+    starting from zero) continues from the interrupted run's last logged value instead of restarting at 0."""
+    clock = [0.0]
+
+    def fake_perf_counter():
+        clock[0] += 1.0
+        return clock[0]
+
+    monkeypatch.setattr("modeling_xpress.training.time.perf_counter", fake_perf_counter)
+    target = tiny_llama()
+    data = random_rows([30, 26, 34, 28], prompt=4, seed=2)
+    args = dict(max_steps=4, per_device_train_batch_size=2, save_strategy="steps", save_steps=2, logging_steps=1)
+
+    def logged_seconds(output_dir, resume=None):
+        trainer = XPressTrainer(
+            model=tiny_xpress(target, block_size=BLOCK), target=target, args=training_args(output_dir, **args),
+            train_dataset=data,
+        )  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        return {entry["step"]: entry["train_seconds"] for entry in trainer.state.log_history if "loss" in entry}
+
+    straight = logged_seconds(tmp_path / "straight")
+    assert list(straight) == [1, 2, 3, 4] and all(straight[s] < straight[s + 1] for s in (1, 2, 3))
+    clock[0] = 0.0  # a new process
+    resumed = logged_seconds(tmp_path / "resumed", resume=str(tmp_path / "straight" / "checkpoint-2"))
+    assert list(resumed) == [1, 2, 3, 4]  # the restored history, then its own steps
+    assert resumed[3] > straight[2]
