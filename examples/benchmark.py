@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 import torch
 
 from modeling_xpress.assets import DTYPES, load_smollm2
+from modeling_xpress.reports import ENTRIES
 from modeling_xpress.benchmark import (
     BenchmarkSettings,
     evaluation_prompt_sets,
@@ -61,6 +62,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--run-name", default=None, help="file stem of the outputs (default: date, dtype, limit)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--entries", nargs="+", default=list(ENTRIES), choices=list(ENTRIES),
+                        help="speculative entry points per method (spec_generate alone halves a long run)")
+    parser.add_argument("--no-compiled-plain", action="store_true",
+                        help="skip the second baseline: plain generate with a static cache and torch.compile")
     return parser.parse_args()
 
 
@@ -72,7 +77,7 @@ def main() -> None:
     settings = BenchmarkSettings(
         max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures), k_values=tuple(args.k_values),
         adaptive=not args.no_adaptive, limit=args.limit, seed=args.seed, latency_blocks=args.latency_blocks,
-        latency_repeats=args.latency_repeats,
+        latency_repeats=args.latency_repeats, entries=tuple(args.entries), compiled_plain=not args.no_compiled_plain,
     )  # fmt: skip
     paths = dict(parse_method_spec(spec) for spec in args.methods)
     run_name = args.run_name or (

@@ -3,10 +3,13 @@
 What one `run_benchmark` call measures, for a target and a set of named xPress checkpoints (any mix of
 `refiner="none"` / `"markov"` / `"xpress"`), on named prompt sets, at each temperature:
 
-1. Per prompt, side by side and in a rotating order so machine noise hits every entry alike: plain
-   `target.generate`, `target.generate(assistant_model=method)` and `spec_generate(method, ...)` for every method.
-   This gives τ (from `spec_generate`), the end-to-end throughput ratio against plain decoding for both entry points,
-   the greedy-identity count (T=0) and the draft-step timers (drafter / lm_head / refiner).
+1. Per prompt, side by side and in a rotating order so machine noise hits every entry alike: the two plain baselines
+   — eager `target.generate` and the fastest plain decoding a user of the device would pick, `target.generate` with a
+   static cache and `torch.compile` (`compiled_plain_kwargs`; compiled once, during the warm-up, and that time is
+   recorded) — then `target.generate(assistant_model=method)` and `spec_generate(method, ...)` for every method.
+   This gives τ (from `spec_generate`), the end-to-end throughput ratio of every entry against both baselines, the
+   greedy-identity count (T=0; the compiled baseline is checked against the eager one too) and the draft-step timers
+   (drafter / lm_head / refiner).
 2. For every method with an xPress refiner, the Jacobi sweep: fixed K (early exit off) and "adaptive"
    (K = block_size - 1 with early exit), each through `spec_generate` on the same prompts.
 3. A microbenchmark of `model.refine` on real drafter outputs captured from a short run (`latency.py`): median
@@ -35,12 +38,13 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers import CompileConfig
 from tqdm.auto import tqdm
 
 from .generation import WallClock, spec_generate
 from .latency import capture_blocks, measure_refine_latency
 from .plots import plot_draft_breakdown, plot_refiner_latency, plot_tau_vs_k
-from .reports import CONFIG_SETTING, ENTRIES, markdown_report, summarize, sweep_settings
+from .reports import COMPILED_PLAIN, CONFIG_SETTING, ENTRIES, PLAIN, markdown_report, summarize, sweep_settings
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -60,10 +64,18 @@ class BenchmarkSettings:
     seed: int = 0  # base seed of the per-prompt sampling generators
     latency_blocks: int = 8  # real drafter blocks captured per method for the refiner microbenchmark
     latency_repeats: int = 30  # timed repeats of each block and setting (the median is reported)
+    entries: tuple[str, ...] = ENTRIES  # speculative entry points measured per method
+    compiled_plain: bool = True  # also measure plain decoding with a static cache and torch.compile
 
     def __post_init__(self) -> None:
         self.temperatures = tuple(float(t) for t in self.temperatures)
         self.k_values = tuple(int(k) for k in self.k_values)
+        self.entries = tuple(self.entries)
+        unknown = [e for e in self.entries if e not in ENTRIES]
+        if unknown or not self.entries or len(set(self.entries)) != len(self.entries):
+            raise ValueError(f"entries must be distinct names from {list(ENTRIES)}, got {list(self.entries)}")
+        if "spec_generate" not in self.entries:
+            raise ValueError("entries must include spec_generate: τ, the K sweep and the timers come from it")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.temperatures:
@@ -188,13 +200,24 @@ def _prompt_seed(settings: BenchmarkSettings, dataset_index: int, prompt_index: 
     return settings.seed * 1_000_003 + dataset_index * 10_007 + prompt_index
 
 
-def run_plain(target, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int):
-    """Plain `target.generate`; returns (sequences, seconds)."""
+def compiled_plain_kwargs(max_cache_len: int) -> dict:
+    """`generate` arguments of the fastest plain decoding a user would pick: a static cache of a fixed length (so every
+    prompt reuses one compiled graph) and transformers' own `torch.compile` of the decoding step, which it applies by
+    itself on CUDA and, with `_compile_all_devices`, on any device (inductor on CPU). The first call compiles."""
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True  # a class attribute, not a constructor argument
+    return {"cache_implementation": "static", "max_cache_len": max_cache_len, "compile_config": compile_config}
+
+
+def run_plain(target, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int, *,
+              compiled: dict | None = None):  # fmt: skip
+    """Plain `target.generate` (with `compiled`: the `compiled_plain_kwargs` baseline); returns (sequences, seconds)."""
     torch.manual_seed(seed)  # generate samples from the global RNG
     start = _now(ids.device)
     out = target.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **_sampling_kwargs(temperature)
-    )
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **_sampling_kwargs(temperature),
+        **(compiled or {}),
+    )  # fmt: skip
     return out, _now(ids.device) - start
 
 
@@ -237,31 +260,33 @@ def _record(context: dict, entry: str, method: str | None, setting: str | None, 
 
 
 def measure_prompt(target, methods: Mapping[str, torch.nn.Module], ids: torch.Tensor, context: dict,
-                   settings: BenchmarkSettings, seed: int, rotation: int) -> list[dict]:  # fmt: skip
+                   settings: BenchmarkSettings, seed: int, rotation: int, compiled: dict | None = None) -> list[dict]:  # fmt: skip
     """Every run for one prompt at one temperature.
 
-    The timed entries (plain, then generate and spec_generate per method) run back to back in an order rotated by
-    `rotation`, so slow drifts of machine load do not always hit the same entry. The K sweep follows; its outputs are
-    checked against the plain run too (T=0), a free extra exactness check.
+    The timed entries (plain eager, plain compiled when `compiled` holds its `generate` arguments, then the
+    speculative entries per method) run back to back in an order rotated by `rotation`, so slow drifts of machine load
+    do not always hit the same entry. The K sweep follows; its outputs are checked against the plain run too (T=0), a
+    free extra exactness check.
     """
     temperature, n = context["temperature"], settings.max_new_tokens
-    jobs: list[tuple[str, str | None]] = [("plain", None)] + [(e, m) for m in methods for e in ENTRIES]
-    shift = rotation % len(jobs)
-    jobs = jobs[shift:] + jobs[:shift]
+    baselines = [(PLAIN, None)] + ([(COMPILED_PLAIN, None)] if compiled is not None else [])
+    order: list[tuple[str, str | None]] = baselines + [(e, m) for m in methods for e in settings.entries]
+    shift = rotation % len(order)
     done: dict[tuple[str, str | None], tuple] = {}
-    for entry, name in jobs:
-        if entry == "plain":
-            sequences, seconds = run_plain(target, ids, n, temperature, seed)
-            done[(entry, name)] = (sequences, seconds, None)
+    for entry, name in order[shift:] + order[:shift]:
+        if entry == PLAIN:
+            done[(entry, name)] = (*run_plain(target, ids, n, temperature, seed), None)
+        elif entry == COMPILED_PLAIN:
+            done[(entry, name)] = (*run_plain(target, ids, n, temperature, seed, compiled=compiled), None)
         elif entry == "generate":
             done[(entry, name)] = run_assisted(target, methods[name], ids, n, temperature, seed)
         else:
             done[(entry, name)] = run_spec(target, methods[name], ids, n, temperature, seed)
-    reference = done[("plain", None)][0] if temperature == 0 else None
+    reference = done[(PLAIN, None)][0] if temperature == 0 else None
     records = [
-        _record(context, entry, name, None if entry == "plain" else CONFIG_SETTING, *done[(entry, name)],
-                None if entry == "plain" else reference)  # fmt: skip
-        for entry, name in [("plain", None)] + [(e, m) for m in methods for e in ENTRIES]
+        _record(context, entry, name, None if entry in (PLAIN, COMPILED_PLAIN) else CONFIG_SETTING,
+                *done[(entry, name)], None if entry == PLAIN else reference)  # fmt: skip
+        for entry, name in order
     ]
     for name, model in methods.items():
         if not model.refiner.iterative:  # the K sweep applies to Jacobi heads only
@@ -273,14 +298,20 @@ def measure_prompt(target, methods: Mapping[str, torch.nn.Module], ids: torch.Te
     return records
 
 
-def warm_up(target, methods: Mapping[str, torch.nn.Module], ids: torch.Tensor) -> None:
-    """One short run of every entry, so one-off costs (allocations, lazy init, folded refiner) are not charged to
-    the first measured prompt."""
+def warm_up(target, methods: Mapping[str, torch.nn.Module], ids: torch.Tensor, compiled: dict | None = None) -> dict:
+    """One short run of every entry, so one-off costs (allocations, lazy init, folded refiner, compilation) are not
+    charged to the first measured prompt. Returns the seconds of the compiled baseline's first call (its compilation)
+    and of a second call (what is left once compiled), under "compiled_plain_first_call_s" / "..._second_call_s"."""
     tokens = 2 * max((m.config.block_size for m in methods.values()), default=2)
     run_plain(target, ids, tokens, 0.0, 0)
+    warm = {}
+    if compiled is not None:
+        warm["compiled_plain_first_call_s"] = run_plain(target, ids, tokens, 0.0, 0, compiled=compiled)[1]
+        warm["compiled_plain_second_call_s"] = run_plain(target, ids, tokens, 0.0, 0, compiled=compiled)[1]
     for model in methods.values():
         run_assisted(target, model, ids, tokens, 0.0, 0)
         run_spec(target, model, ids, tokens, 0.0, 0)
+    return warm
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -368,7 +399,10 @@ def run_benchmark(
     started, wall_start = datetime.now(timezone.utc), time.perf_counter()
 
     first = next(iter(sets.values())).input_ids[0]
-    warm_up(target, methods, first)
+    # One static cache length for every prompt of the run (and the warm-up): one compiled graph serves them all.
+    longest = max(int(x.shape[1]) for s in sets.values() for x in s.input_ids)
+    compiled = compiled_plain_kwargs(longest + settings.max_new_tokens) if settings.compiled_plain else None
+    warm = warm_up(target, methods, first, compiled)
     all_prompts = [x for s in sets.values() for x in s.input_ids]
     latency = {}
     for name, model in tqdm(methods.items(), desc="refiner latency", disable=not progress):
@@ -383,7 +417,8 @@ def run_benchmark(
                 context = {"dataset": dataset, "temperature": temperature, "prompt_index": p_index, "prompt_id": pid,
                            "prompt_tokens": int(ids.shape[1])}  # fmt: skip
                 seed = _prompt_seed(settings, d_index, p_index)
-                records += measure_prompt(target, methods, ids, context, settings, seed, rotation=p_index)
+                records += measure_prompt(target, methods, ids, context, settings, seed, rotation=p_index,
+                                          compiled=compiled)  # fmt: skip
                 bar.update(1)
             bar.close()
 
@@ -399,6 +434,7 @@ def run_benchmark(
         "metadata": metadata or {},
         "records": records,
         "latency": latency,
+        "warm_up": warm,
     }
     results["summary"] = summarize(results)
     return results

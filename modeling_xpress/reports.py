@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .benchmark import BenchmarkSettings
 
-ENTRIES = ("generate", "spec_generate")  # the two speculative entry points; "plain" is target.generate alone
+ENTRIES = ("generate", "spec_generate")  # the two speculative entry points
+PLAIN = "plain"  # target.generate alone, eager: the baseline of every speed ratio
+COMPILED_PLAIN = "plain_compiled"  # target.generate alone with a static cache and torch.compile (benchmark.py)
 CONFIG_SETTING = "config"  # label of runs with the checkpoint's own Jacobi settings
 ADAPTIVE_SETTING = "adaptive"
 ALL = "all"  # the pooled pseudo-dataset in summary rows
@@ -92,20 +94,29 @@ def _stat_rows(records: Sequence[dict], fields: Sequence[str], pool_datasets: bo
     return [dict(zip(fields, key)) | _pooled(group) for key, group in _groups(records, fields, pool_datasets).items()]
 
 
+def _rate(records: Sequence[dict]) -> float:
+    return sum(r["new_tokens"] for r in records) / sum(r["seconds"] for r in records)
+
+
 def _throughput_rows(records: Sequence[dict]) -> list[dict]:
-    """tokens/s of each speculative entry over tokens/s of plain generate, per dataset and temperature (and pooled)."""
+    """tokens/s of each entry over tokens/s of plain eager generate (`speedup`) and, when the run measured it, of the
+    compiled plain baseline (`speedup_vs_compiled`), per dataset and temperature (and pooled). The compiled baseline
+    has a row of its own (method None) against the eager one."""
     rows = []
     groups = _groups(records, ("dataset", "temperature", "entry", "method"))
     for (dataset, temperature, entry, method), group in groups.items():
-        if entry == "plain":
+        if entry == PLAIN:
             continue
-        plain = groups[(dataset, temperature, "plain", None)]
-        plain_rate = sum(r["new_tokens"] for r in plain) / sum(r["seconds"] for r in plain)
-        rate = sum(r["new_tokens"] for r in group) / sum(r["seconds"] for r in group)
+        plain_rate = _rate(groups[(dataset, temperature, PLAIN, None)])
+        compiled = groups.get((dataset, temperature, COMPILED_PLAIN, None))
+        compiled_rate = _rate(compiled) if compiled else None
+        rate = _rate(group)
         rows.append({
             "method": method, "entry": entry, "dataset": dataset, "temperature": temperature,
             "tokens_per_s": rate, "plain_tokens_per_s": plain_rate, "speedup": rate / plain_rate,
-            "tau": _pooled(group)["tau"], "prompts": len(group),
+            "compiled_plain_tokens_per_s": compiled_rate,
+            "speedup_vs_compiled": rate / compiled_rate if compiled_rate else None,
+            "tau": _pooled(group)["tau"] if entry != COMPILED_PLAIN else None, "prompts": len(group),
         })  # fmt: skip
     return rows
 
@@ -128,7 +139,7 @@ def summarize(results: Mapping) -> dict:
     """Every table of the report, derived from `results["records"]` and `results["latency"]` only."""
     records = results["records"]
     main = [r for r in records if r["setting"] == CONFIG_SETTING]  # the checkpoints as saved
-    plain = [r for r in records if r["entry"] == "plain"]
+    plain = [r for r in records if r["entry"] in (PLAIN, COMPILED_PLAIN)]
     spec = [r for r in main if r["entry"] == "spec_generate"]
     sweep = [r for r in records if r["entry"] == "spec_generate" and r["setting"] not in (None, CONFIG_SETTING)]
     greedy = [r for r in records if r["identical_to_plain"] is not None]
@@ -151,10 +162,14 @@ def card_rows(summary: Mapping) -> list[dict]:
     """Rows for `cards.render_model_card(config, results=...)`: τ and both speed ratios per method, pooled dataset
     included."""
     speed = {(r["method"], r["entry"], r["dataset"], r["temperature"]): r["speedup"] for r in summary["throughput"]}
+    compiled = {(r["method"], r["entry"], r["dataset"], r["temperature"]): r["speedup_vs_compiled"]
+                for r in summary["throughput"]}  # fmt: skip
     return [
         {"method": r["method"], "dataset": r["dataset"], "temperature": r["temperature"], "tau": r["tau"],
          "speedup_spec_generate": speed.get((r["method"], "spec_generate", r["dataset"], r["temperature"])),
-         "speedup_generate": speed.get((r["method"], "generate", r["dataset"], r["temperature"]))}
+         "speedup_generate": speed.get((r["method"], "generate", r["dataset"], r["temperature"])),
+         "speedup_spec_generate_vs_compiled": compiled.get((r["method"], "spec_generate", r["dataset"],
+                                                            r["temperature"]))}
         for r in summary["tau"]
     ]  # fmt: skip
 
@@ -182,9 +197,9 @@ def _columns(results: Mapping) -> list[tuple[str, float]]:
     return [(d, t) for t in results["settings"]["temperatures"] for d in datasets]
 
 
-def _identity_order(key: tuple[str, str, str]) -> tuple:
-    method, entry, setting = key
-    return (method, entry, setting_order(setting))
+def _identity_order(key: tuple) -> tuple:
+    method, entry, setting = key  # the compiled plain baseline: (None, COMPILED_PLAIN, None), listed first
+    return ("", entry, (-1, 0)) if method is None else (method, entry, setting_order(setting))
 
 
 def markdown_report(results: Mapping, plots: Mapping[str, str] | None = None) -> str:
@@ -238,19 +253,36 @@ def markdown_report(results: Mapping, plots: Mapping[str, str] | None = None) ->
             lines += [f"`{method}`:", ""] + _table(["K"] + [column_name(*c) for c in cols], rows) + [""]
 
     lines += ["", "## End-to-end speed ratio against plain `target.generate` (same run)", ""]
-    speed = {(r["method"], r["entry"], r["dataset"], r["temperature"]): r["speedup"] for r in summary["throughput"]}
-    lines += _table(["method", "entry"] + [column_name(*c) for c in cols],
-                    [[m, e] + [f"{_fmt(speed.get((m, e, *c)))}×" for c in cols]
-                     for m in results["methods"] for e in ENTRIES])  # fmt: skip
+    speed = {(r["method"], r["entry"], r["dataset"], r["temperature"]): r for r in summary["throughput"]}
+    entries = [e for e in ENTRIES if any(r["entry"] == e for r in summary["throughput"])]
+    has_compiled = any(r["entry"] == COMPILED_PLAIN for r in summary["throughput"])
+    rows = [[m, e] + [f"{_fmt(speed[(m, e, *c)]['speedup'])}×" if (m, e, *c) in speed else "–" for c in cols]
+            for m in results["methods"] for e in entries]  # fmt: skip
+    if has_compiled:
+        rows.insert(0, ["plain (static cache + torch.compile)", "generate"]
+                    + [f"{_fmt(speed[(None, COMPILED_PLAIN, *c)]['speedup'])}×" for c in cols])  # fmt: skip
+    lines += _table(["method", "entry"] + [column_name(*c) for c in cols], rows)
+    if has_compiled:
+        warm = results.get("warm_up", {})
+        first = warm.get("compiled_plain_first_call_s")
+        lines += ["", "## End-to-end speed ratio against compiled plain decoding (static cache + `torch.compile`, "
+                  "same run)", "",
+                  "The baseline a user of this device would pick instead. Its first call compiled for "
+                  f"{_fmt(first, 1)} s (not counted in any ratio).", ""]  # fmt: skip
+        lines += _table(["method", "entry"] + [column_name(*c) for c in cols],
+                        [[m, e] + [f"{_fmt(speed[(m, e, *c)]['speedup_vs_compiled'])}×" if (m, e, *c) in speed
+                                   else "–" for c in cols]
+                         for m in results["methods"] for e in entries])  # fmt: skip
 
     if summary["identity"]:
         datasets = list(results["datasets"]) + [ALL]
         ident = {(r["method"], r["entry"], r["setting"], r["dataset"]): r for r in summary["identity"]}
         keys = sorted({(r["method"], r["entry"], r["setting"]) for r in summary["identity"]}, key=_identity_order)
         lines += ["", "## Greedy identity: outputs equal to the target's greedy output, token for token (T=0)", ""]
+        counts = {key: f"{r['identical']}/{r['prompts']}" for key, r in ident.items()}
         lines += _table(["method", "entry", "setting"] + datasets,
-                        [list(k) + [f"{ident[(*k, d)]['identical']}/{ident[(*k, d)]['prompts']}"
-                                    if (*k, d) in ident else "–" for d in datasets] for k in keys])  # fmt: skip
+                        [[k[0] or "plain", k[1], k[2] or "–"] + [counts.get((*k, d), "–") for d in datasets]
+                         for k in keys])  # fmt: skip
 
     lines += ["", "## Draft step per block (ms, `spec_generate` timers, all datasets)", ""]
     lines += _table(["method", "T", "drafter", "lm_head", "refiner", "verify / step", "blocks"],
@@ -276,7 +308,9 @@ __all__ = [
     "ADAPTIVE_SETTING",
     "ALL",
     "CONFIG_SETTING",
+    "COMPILED_PLAIN",
     "ENTRIES",
+    "PLAIN",
     "card_rows",
     "column_name",
     "markdown_report",

@@ -60,7 +60,7 @@ def perfect_run():
     target, methods = perfect_methods()
     sets = {"a": [[5, 9], [1, 2, 3]], "b": [[7]]}
     settings = BenchmarkSettings(max_new_tokens=MAX_NEW, temperatures=(0.0,), k_values=(1, 7, 8),
-                                 latency_blocks=2, latency_repeats=2)  # fmt: skip
+                                 latency_blocks=2, latency_repeats=2, compiled_plain=False)  # fmt: skip
     return run_benchmark(target, methods, sets, settings, progress=False)
 
 
@@ -126,7 +126,7 @@ def test_greedy_identity_count_sees_a_mismatch(monkeypatch):
         return out, seconds
 
     monkeypatch.setattr(bench, "run_plain", corrupted_second_prompt)
-    settings = BenchmarkSettings(max_new_tokens=12, temperatures=(0.0,), k_values=(), adaptive=False,
+    settings = BenchmarkSettings(max_new_tokens=12, temperatures=(0.0,), k_values=(), adaptive=False, compiled_plain=False,
                                  latency_blocks=1, latency_repeats=1)  # fmt: skip
     results = run_benchmark(target, methods, {"a": [[5, 9], [1, 2, 3], [4]]}, settings, progress=False)
     counts = {(r["method"], r["entry"]): (r["identical"], r["prompts"])
@@ -144,7 +144,8 @@ def test_latency_covers_every_k_and_the_serial_markov_decode(perfect_run):
 
 @pytest.fixture(scope="module")
 def random_run(tmp_path_factory):
-    """Random tiny models through chat-templated text prompts, two temperatures, written to disk."""
+    """Random tiny models through chat-templated text prompts, two temperatures, both plain baselines (eager and
+    static cache + torch.compile), written to disk."""
     torch.set_num_threads(1)
     target = tiny_llama()
     tokenizer = tiny_tokenizer(target.config.vocab_size)
@@ -173,14 +174,38 @@ def test_outputs_are_written_with_expected_content(random_run):
     assert saved["settings"]["limit"] == 2 and saved["datasets"]["chat"]["prompt_ids"] == ["m0", "m1"]
     assert saved["environment"]["target_dtype"] == "float32" and saved["environment"]["torch"] == torch.__version__
     assert saved["metadata"] == {"note": "test"}
-    # Per prompt and temperature: plain, 2 entries × 3 methods, and the xPress sweep (K=1, K=2, adaptive).
-    assert len(saved["records"]) == 2 * 2 * 2 * (1 + 2 * 3 + 3)
+    # Per prompt and temperature: plain eager and compiled, 2 entries × 3 methods, the xPress sweep (K=1, K=2, adaptive).
+    assert len(saved["records"]) == 2 * 2 * 2 * (2 + 2 * 3 + 3)
     assert all(r["seconds"] > 0 and 1 <= r["new_tokens"] <= 10 for r in saved["records"])
     assert summarize(saved) == saved["summary"]  # every table is a function of the raw records
     markdown = paths["markdown"].read_text()
     for heading in ("Mean acceptance length", "Jacobi sweep", "speed ratio", "Greedy identity", "Draft step",
-                    "Refinement latency", "tiny-run-tau_vs_k.png"):  # fmt: skip
+                    "Refinement latency", "tiny-run-tau_vs_k.png", "against compiled plain decoding"):  # fmt: skip
         assert heading in markdown
+
+
+def test_compiled_plain_baseline_is_compiled_once_exact_and_a_ratio_of_its_own(random_run):
+    """The compiled baseline (static cache + torch.compile through generate): compiled in the warm-up (its first call
+    far slower than its second), greedy-identical to eager plain decoding in fp32, and every speculative row carries
+    its ratio against it, consistent with the two rates."""
+    results, _, methods = random_run
+    warm = results["warm_up"]
+    assert warm["compiled_plain_first_call_s"] > 5 * warm["compiled_plain_second_call_s"]
+    (compiled,) = rows(results["summary"], "identity", entry=reports.COMPILED_PLAIN, dataset=reports.ALL)
+    assert compiled["identical"] == compiled["prompts"] == 4
+    for row in rows(results["summary"], "throughput", dataset=reports.ALL):
+        assert row["compiled_plain_tokens_per_s"] > 0
+        assert row["speedup_vs_compiled"] == pytest.approx(row["tokens_per_s"] / row["compiled_plain_tokens_per_s"])
+    (baseline,) = rows(results["summary"], "throughput", entry=reports.COMPILED_PLAIN, dataset=reports.ALL,
+                       temperature=0.0)  # fmt: skip
+    assert baseline["speedup_vs_compiled"] == pytest.approx(1.0)
+
+
+def test_entries_can_skip_generate_but_not_spec_generate():
+    assert BenchmarkSettings(entries=("spec_generate",)).entries == ("spec_generate",)
+    for entries in [(), ("generate",), ("spec_generate", "spec_generate"), ("spec_generate", "beam")]:
+        with pytest.raises(ValueError, match="entries"):
+            BenchmarkSettings(entries=entries)
 
 
 def test_speed_rows_and_breakdown_are_complete(random_run):
@@ -267,9 +292,10 @@ def small_results() -> dict:
     context = {"dataset": "a", "temperature": 0.0, "prompt_index": 0, "prompt_id": "p0", "prompt_tokens": 3}
     plain = {**context, "entry": "plain", "method": None, "setting": None, "new_tokens": 10, "seconds": 1.0,
              "identical_to_plain": None, "stats": None}  # fmt: skip
+    compiled = {**plain, "entry": "plain_compiled", "seconds": 0.8, "identical_to_plain": True}
     runs = [("generate", "config", 0.8), ("spec_generate", "config", 0.5), ("spec_generate", "K=1", 0.6),
             ("spec_generate", "adaptive", 0.5)]  # fmt: skip
-    records = [plain] + [
+    records = [plain, compiled] + [
         {**context, "entry": entry, "method": "xpress", "setting": setting, "new_tokens": 10, "seconds": seconds,
          "identical_to_plain": True, "stats": stats}
         for entry, setting, seconds in runs
@@ -285,6 +311,7 @@ def small_results() -> dict:
         "records": records,
         "latency": {"xpress": {"blocks": 1, "results": [{"setting": "K=1", "refiner": "xpress",
                                                           "seconds": [1e-4, 2e-4, 3e-4]}]}},
+        "warm_up": {"compiled_plain_first_call_s": 61.0, "compiled_plain_second_call_s": 0.2},
     }  # fmt: skip
 
 
@@ -311,9 +338,13 @@ print(json.dumps({"markdown": reports.markdown_report(results), "cards": reports
     assert "| xpress | 3.00 | 3.00 |" in markdown  # τ = (4 + 2) / 2 for dataset a and the pooled column
     assert "| xpress | spec_generate | 2.00× | 2.00× |" in markdown  # 10 tokens in 0.5 s vs plain's 10 in 1.0 s
     assert "| xpress | generate | 1.25× | 1.25× |" in markdown
+    assert "| plain (static cache + torch.compile) | generate | 1.25× | 1.25× |" in markdown  # 10 in 0.8 s
+    assert "| xpress | spec_generate | 1.60× | 1.60× |" in markdown  # against the compiled 12.5 tokens/s
+    assert "compiled for 61.0 s" in markdown
+    assert "| plain | plain_compiled | – | 1/1 | 1/1 |" in markdown
     assert "| K=1 | 3.00 (2.0) | 3.00 (2.0) |" in markdown  # mean Jacobi iterations (3 + 1) / 2
     assert "| xpress | spec_generate | config | 1/1 | 1/1 |" in markdown
     assert "| xpress | xpress | K=1 | 200 | 40–360 | 3 |" in markdown  # median µs; p10–p90 as statistics.quantiles
     (row,) = [r for r in out["cards"] if r["dataset"] == reports.ALL]
     assert row == {"method": "xpress", "dataset": "all", "temperature": 0.0, "tau": 3.0, "speedup_spec_generate": 2.0,
-                   "speedup_generate": 1.25}  # fmt: skip
+                   "speedup_generate": 1.25, "speedup_spec_generate_vs_compiled": 1.6}  # fmt: skip
