@@ -25,7 +25,14 @@ Recipes (each flag can still be set by hand after `--recipe`):
   last two layers, a 4096-token draft vocabulary, the target's signals cached once (`--signal-cache`) and shared by
   every stage, evaluated every `--eval-steps` on 100 held-out rows and stopped when `eval_tau_estimate` has not improved
   for `--patience` evaluations (the best checkpoint is kept). Stages resume from their last checkpoint, so a run spread
-  over several sessions continues where it stopped.
+  over several sessions continues where it stopped: at the end of a session,
+
+      python examples/smollm2_pipeline.py --recipe v3 --out runs/v3 --write-snapshots
+
+  writes each stage's newest checkpoint without its optimizer state to `checkpoints/training/smollm2-v3/<stage>`
+  (committed; `training.snapshot_checkpoint`), and the next session's run resumes from there when `runs/v3` is empty
+  (weights, step, logs, learning-rate schedule; Adam's moments restart). The signal cache is not committed (gigabytes):
+  the first stage of a session on a fresh machine writes it again.
 """
 
 import argparse
@@ -35,7 +42,9 @@ import sys
 import time
 from pathlib import Path
 
+from modeling_xpress import XPressModel
 from modeling_xpress.assets import smollm2_dir
+from modeling_xpress.training import snapshot_checkpoint
 
 HEADS = ("dflash", "markov", "xpress")
 REFINER_OF = {"dflash": "none", "markov": "markov", "xpress": "xpress"}
@@ -47,7 +56,9 @@ def last_checkpoint(folder: Path) -> Path | None:
 
 
 def final_logs(folder: Path) -> dict:
-    """The last logged training metrics of a finished stage (from the Trainer's state)."""
+    """What a stage's Trainer state says (finished, or its newest checkpoint): the step, the last logged training
+    metrics, the best held-out evaluation, the training wall time over every session (`train_seconds`) and the whole
+    log history (the curves)."""
     state_file = folder / "trainer_state.json"
     checkpoint = last_checkpoint(folder)
     if not state_file.is_file() and checkpoint is not None:
@@ -55,16 +66,45 @@ def final_logs(folder: Path) -> dict:
     if not state_file.is_file():
         return {}
     state = json.loads(state_file.read_text())
-    logs = [entry for entry in state.get("log_history", []) if "loss" in entry]
-    return {"global_step": state.get("global_step"), "last_log": logs[-1] if logs else None}
+    history = state.get("log_history", [])
+    logs = [entry for entry in history if "loss" in entry]
+    return {
+        "global_step": state.get("global_step"), "last_log": logs[-1] if logs else None,
+        "best_metric": state.get("best_metric"), "best_model_checkpoint": state.get("best_model_checkpoint"),
+        "train_seconds": max((e["train_seconds"] for e in history if "train_seconds" in e), default=None),
+        "curves": history,
+    }  # fmt: skip
+
+
+def snapshot_stage(name: str, args: argparse.Namespace) -> Path | None:
+    """Write the newest checkpoint of a stage to `<snapshots>/<name>` without optimizer state (small enough to
+    commit; `training.snapshot_checkpoint`), and the best one's weights to `<snapshots>/<name>-best` when it is another
+    checkpoint, so the next session resumes the run and still knows its best model."""
+    latest = last_checkpoint(Path(args.out) / name)
+    if latest is None:
+        return None
+    destination = snapshot_checkpoint(latest, Path(args.snapshots) / name)
+    state_file = destination / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    best = state.get("best_model_checkpoint")
+    if best is not None:
+        if Path(best).resolve() == latest.resolve():
+            state["best_model_checkpoint"] = str(destination)
+        elif Path(best).resolve() != (Path(args.snapshots) / f"{name}-best").resolve():
+            best_destination = Path(args.snapshots) / f"{name}-best"
+            XPressModel.from_pretrained(best).save_pretrained(best_destination)
+            state["best_model_checkpoint"] = str(best_destination)
+        state_file.write_text(json.dumps(state, indent=2))
+    return destination
 
 
 RECIPES = {
     "v2": {"data": "data/smollm2_responses/responses.parquet", "drafter_init": "scratch", "draft_vocab_size": None,
-           "signal_cache": None, "eval_held_out": 0},
+           "signal_cache": None, "eval_held_out": 0, "snapshots": None},
     "v3": {"data": "data/smollm2_responses,data/smollm2_responses_2400-7200,data/smollm2_responses_7200-7600",
            "drafter_init": "target", "draft_vocab_size": 4096, "signal_cache": "cache/signals-smollm2-v3",
-           "eval_held_out": 100, "drafter_steps": 6000, "head_steps": 600, "threads": 1, "save_steps": 250},
+           "eval_held_out": 100, "drafter_steps": 6000, "head_steps": 600, "threads": 1, "save_steps": 250,
+           "snapshots": "checkpoints/training/smollm2-v3"},
 }  # fmt: skip
 
 
@@ -92,6 +132,9 @@ def run_stage(name: str, args: argparse.Namespace, extra: list[str], summary: di
             "--per_device_eval_batch_size", str(args.batch_size),
         ]  # fmt: skip
     resume = last_checkpoint(out)
+    snapshot = Path(args.snapshots) / name if args.snapshots else None
+    if resume is None and snapshot is not None and (snapshot / "trainer_state.json").is_file():
+        resume = snapshot  # a run started in an earlier session (`--write-snapshots` there)
     if resume is not None:
         command += ["--resume_from_checkpoint", str(resume)]
     print(f"[{name}] {' '.join(command)}", flush=True)
@@ -115,6 +158,10 @@ def main() -> None:
     parser.add_argument("--eval-held-out", type=int, help="held-out rows evaluated every --save-steps (0: none)")
     parser.add_argument("--patience", type=int, default=4, help="evaluations without a better eval_tau_estimate")
     parser.add_argument("--save-steps", type=int, default=50)
+    parser.add_argument("--snapshots", help="folder of committed snapshots: a stage with no local checkpoint resumes "
+                        "from <snapshots>/<stage>")
+    parser.add_argument("--write-snapshots", action="store_true",
+                        help="write each stage's newest checkpoint to --snapshots (no optimizer state) and exit")
     parser.add_argument("--refiner-rank", type=int, default=64, help="rank of the Markov and xPress heads")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--anchors", type=int, default=32, help="blocks drawn per sequence")
@@ -130,6 +177,18 @@ def main() -> None:
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     summary["settings"] = vars(args)
     drafter = Path(args.out) / "drafter"
+    if args.write_snapshots:
+        if not args.snapshots:
+            parser.error("--write-snapshots needs --snapshots")
+        for stage in args.stages:
+            written = snapshot_stage(stage, args)
+            summary.setdefault(stage, {}).update(final_logs(Path(args.out) / stage))
+            print(f"[{stage}] snapshot: {written or 'no checkpoint yet'}")
+        summary_path.parent.mkdir(parents=True, exist_ok=True)
+        summary_path.write_text(json.dumps(summary, indent=2, default=str))
+        if args.snapshots:
+            (Path(args.snapshots) / "training_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        return
     for stage in args.stages:
         if stage == "drafter":
             extra = ["--refiner", "none", "--block_size", "16", "--num_draft_layers", str(args.num_draft_layers),

@@ -24,13 +24,15 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.utils import ModelOutput, logging
 
 from .configuration_xpress import is_integer
@@ -973,6 +975,48 @@ class XPressTrainer(Trainer):
     def _load_best_model(self) -> None:
         self._load_from_checkpoint(self.state.best_model_checkpoint)
 
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """A snapshot (`snapshot_checkpoint`: a checkpoint without its optimizer state) resumes with the learning-rate
+        schedule where it was and a fresh optimizer; the Trainer itself would drop the schedule too and restart it."""
+        snapshot = (
+            checkpoint is not None
+            and not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME))
+            and os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME))
+            and os.path.isfile(os.path.join(checkpoint, SNAPSHOT_NOTE))
+        )
+        if not snapshot:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        logger.warning(
+            f"{checkpoint} is a snapshot without optimizer state: the learning-rate schedule continues at step "
+            f"{self.state.global_step}, the optimizer's moments start again from zero."
+        )
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+
+SNAPSHOT_NOTE = "SNAPSHOT.md"
+
+
+def snapshot_checkpoint(checkpoint: str | os.PathLike, destination: str | os.PathLike) -> Path:
+    """Copy a training checkpoint without its optimizer state: small enough to commit (a 2-layer SmolLM2 drafter is
+    ~31 MB of fp32 weights; Adam's moments would add twice that), so a run can stop at the end of one session and
+    `train(resume_from_checkpoint=<destination>)` continue it in the next, on another machine. It keeps the weights,
+    the Trainer's state (step, logs, best checkpoint), the learning-rate schedule and the RNG states; the optimizer's
+    moments restart from zero on resume (`XPressTrainer` then loads the schedule alone). Returns the destination."""
+    source, destination = Path(checkpoint), Path(destination)
+    if not (source / TRAINER_STATE_NAME).is_file() or not (source / "config.json").is_file():
+        raise ValueError(f"{source} is not a training checkpoint (no {TRAINER_STATE_NAME} or config.json)")
+    if destination.exists():
+        shutil.rmtree(destination)
+    shutil.copytree(source, destination, ignore=shutil.ignore_patterns(OPTIMIZER_NAME, "optimizer.bin"))
+    state = json.loads((source / TRAINER_STATE_NAME).read_text())
+    (destination / SNAPSHOT_NOTE).write_text(
+        f"# Training snapshot at step {state['global_step']}\n\n"
+        f"`{source}` without `{OPTIMIZER_NAME}`. Continue it with `resume_from_checkpoint` pointing here: the weights, "
+        "the step, the logs, the learning-rate schedule and the RNG states are restored; the optimizer's moments "
+        "start again from zero.\n"
+    )
+    return destination
+
 
 __all__ = [
     "XPressTrainingArguments",
@@ -984,6 +1028,7 @@ __all__ = [
     "DraftTargets",
     "frequency_ranked_vocabulary",
     "restrict_to_draft_vocabulary",
+    "snapshot_checkpoint",
     "top_k_draft_targets",
     "TargetSignals",
     "anchor_weight",

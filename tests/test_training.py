@@ -681,3 +681,77 @@ def test_logged_training_time_continues_across_a_resume(tmp_path, monkeypatch):
     resumed = logged_seconds(tmp_path / "resumed", resume=str(tmp_path / "straight" / "checkpoint-2"))
     assert list(resumed) == [1, 2, 3, 4]  # the restored history, then its own steps
     assert resumed[3] > straight[2]
+
+
+def test_a_snapshot_without_optimizer_state_continues_the_schedule_and_the_weights(tmp_path):
+    """`snapshot_checkpoint` drops optimizer.pt (what makes a checkpoint too big to commit): resuming from it restores
+    the weights, the step and the learning-rate schedule (the Trainer alone would restart the schedule), and the run
+    ends at max_steps with the learning rates of the uninterrupted run at every step."""
+    from modeling_xpress.training import snapshot_checkpoint
+
+    target = tiny_llama()
+    data = random_rows([30, 26, 34, 28], prompt=4, seed=2)
+    args = dict(max_steps=6, per_device_train_batch_size=2, save_strategy="steps", save_steps=3, logging_steps=1,
+                learning_rate=1e-2, lr_scheduler_type="cosine", warmup_steps=2)  # fmt: skip
+
+    def run(output_dir, resume=None):
+        trainer = XPressTrainer(
+            model=tiny_xpress(target, block_size=BLOCK), target=target, args=training_args(output_dir, **args),
+            train_dataset=data,
+        )  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    straight = run(tmp_path / "straight")
+    snapshot = snapshot_checkpoint(tmp_path / "straight" / "checkpoint-3", tmp_path / "snapshot")
+    assert not (snapshot / "optimizer.pt").exists() and (tmp_path / "straight" / "checkpoint-3" / "optimizer.pt").exists()
+    assert (snapshot / "scheduler.pt").is_file() and "step 3" in (snapshot / "SNAPSHOT.md").read_text()
+    at_snapshot = XPressModel.from_pretrained(snapshot).state_dict()
+
+    class FirstStepWeights(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.weights = {k: v.clone() for k, v in model.xpress.state_dict().items()}
+
+    first = FirstStepWeights()
+    resumed = XPressTrainer(
+        model=tiny_xpress(target, block_size=BLOCK), target=target, args=training_args(tmp_path / "resumed", **args),
+        train_dataset=data, callbacks=[first],
+    )  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(snapshot))
+    assert resumed.state.global_step == 6
+    assert all(torch.equal(first.weights[k], v) for k, v in at_snapshot.items())  # the run continued its weights
+    rates = {e["step"]: e["learning_rate"] for e in straight.state.log_history if "learning_rate" in e}
+    resumed_rates = {e["step"]: e["learning_rate"] for e in resumed.state.log_history if "learning_rate" in e}
+    assert resumed_rates == rates  # steps 1-3 restored from the snapshot's logs, 4-6 from the continued schedule
+    with pytest.raises(ValueError, match="not a training checkpoint"):
+        snapshot_checkpoint(tmp_path / "straight", tmp_path / "nothing")
+
+
+def test_pipeline_snapshots_the_newest_checkpoint_and_keeps_the_best_one_loadable(tmp_path):
+    """examples/smollm2_pipeline.py --write-snapshots: the newest checkpoint without optimizer state, and the best
+    checkpoint's weights beside it when the best is another checkpoint, with the state pointing there."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("smollm2_pipeline", ROOT / "examples" / "smollm2_pipeline.py")
+    pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipeline)
+    target = tiny_llama()
+    args = training_args(tmp_path / "runs" / "drafter", max_steps=4, per_device_train_batch_size=2,
+                         save_strategy="steps", save_steps=2)  # fmt: skip
+    XPressTrainer(model=tiny_xpress(target, block_size=BLOCK), target=target, args=args,
+                  train_dataset=random_rows([30, 26, 34, 28])).train()  # fmt: skip
+    state_file = tmp_path / "runs" / "drafter" / "checkpoint-4" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["best_model_checkpoint"] = str(tmp_path / "runs" / "drafter" / "checkpoint-2")
+    state_file.write_text(json.dumps(state))
+    options = argparse.Namespace(out=str(tmp_path / "runs"), snapshots=str(tmp_path / "snapshots"))
+
+    written = pipeline.snapshot_stage("drafter", options)
+    assert written == tmp_path / "snapshots" / "drafter" and not (written / "optimizer.pt").exists()
+    saved = json.loads((written / "trainer_state.json").read_text())
+    assert saved["global_step"] == 4 and saved["best_model_checkpoint"] == str(tmp_path / "snapshots" / "drafter-best")
+    best = XPressModel.from_pretrained(tmp_path / "snapshots" / "drafter-best").state_dict()
+    expected = XPressModel.from_pretrained(tmp_path / "runs" / "drafter" / "checkpoint-2").state_dict()
+    assert all(torch.equal(best[k], v) for k, v in expected.items())
+    assert pipeline.snapshot_stage("markov", options) is None  # a stage that has not started
