@@ -407,6 +407,13 @@ def check_generation_config(generation_config) -> None:
             "verifies a single sequence, and beam search would silently ignore the drafter. Use num_beams=1 (greedy or "
             "sampling) with assistant_model, or beam search without it."
         )
+    if "static" in str(generation_config.cache_implementation or ""):
+        raise ValueError(
+            f"cache_implementation={generation_config.cache_implementation!r} is not supported with an xPress "
+            "assistant: transformers would compile the target once per verification length, which changes from step "
+            "to step. For static caches and compiled fixed-shape graphs use xpress.spec_generate(target, input_ids, "
+            "compile=True); generate with an xPress assistant uses the default dynamic cache."
+        )
 
 
 class XPressCandidateGenerator(CandidateGenerator):
@@ -672,6 +679,7 @@ def spec_generate(
     generator: torch.Generator | None = None,
     assistant_confidence_threshold: float | None = None,
     num_assistant_tokens: int | None = None,
+    compile: bool = False,
 ) -> XPressGenerateOutput:
     """xPress speculative decoding without `generate`: prefill, then draft → refine → verify → accept → crop.
 
@@ -682,8 +690,10 @@ def spec_generate(
     `stop_token_ids` (default: the target's EOS; an int, a list or a tensor of ids) end generation after they are
     emitted. `assistant_confidence_threshold` and `num_assistant_tokens` (None: the xPress config's
     `draft_confidence_threshold` / `num_assistant_tokens`) set how many drafts of each block are verified
-    (`draft_length`). Returns `.sequences` (prompt included) and `.stats`; the stats are also left at
-    `xpress.generation_stats`.
+    (`draft_length`). `compile=True` runs the same loop with static caches and fixed shapes under `torch.compile`
+    (CUDA graphs on a GPU; see `compiled.py`): same results, the first call per (target, drafter, length bucket)
+    compiles (`stats.time_compile`); greedy and temperature/top-k/top-p sampling only. Returns `.sequences` (prompt
+    included) and `.stats`; the stats are also left at `xpress.generation_stats`.
     """
     check_assistant_call(target, xpress, input_ids)
     draft_rule = draft_length_rule(xpress.config, assistant_confidence_threshold, num_assistant_tokens)
@@ -697,6 +707,16 @@ def spec_generate(
     if stop_token_ids is None:
         stop_token_ids = target.generation_config.eos_token_id
     stop = stop_token_tensor(stop_token_ids, input_ids.device)
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be True or False, got {compile!r}")
+    if compile:
+        from .compiled import check_compilable, compiled_spec_generate
+
+        check_compilable(xpress, target, repetition_penalty, no_repeat_ngram_size, logits_processor)
+        return compiled_spec_generate(
+            xpress, target, input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+            top_p=top_p, stop=stop, generator=generator, draft_rule=draft_rule,
+        )  # fmt: skip
     do_sample = temperature > 0
     processors = decoding_processors(temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size, logits_processor)
     layer_ids = list(xpress.config.target_layer_ids)

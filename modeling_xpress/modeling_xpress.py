@@ -551,7 +551,8 @@ class XPressModel(XPressPreTrainedModel):
     # --- generation ----------------------------------------------------------------------------------------------
 
     def spec_generate(self, target, input_ids: torch.LongTensor, **kwargs):
-        """Standalone xPress speculative decoding with `target`; see `generation.spec_generate` for the arguments."""
+        """Standalone xPress speculative decoding with `target`; see `generation.spec_generate` for the arguments
+        (`compile=True`: static caches and compiled fixed-shape graphs, `compiled.py`)."""
         return spec_generate(self, target, input_ids, **kwargs)
 
     # --- checkpoints ---------------------------------------------------------------------------------------------

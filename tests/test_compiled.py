@@ -1,0 +1,374 @@
+"""spec_generate(compile=True): static caches, fixed shapes, torch.compile — and the same results as the eager loop.
+
+On CPU the graphs compile with inductor (tiny models, one thread). Compiled state is kept per (target, drafter,
+length bucket, decoding settings), so the models are module-scoped and every test of one pair reuses its graphs.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache, LogitsProcessorList
+
+import modeling_xpress.compiled as compiled
+from modeling_xpress.compiled import (
+    CompiledDecoder, CompiledGenerationStats, compiled_decoder, jacobi_fixed_iterations, release_compiled_decoders,
+)  # fmt: skip
+from modeling_xpress.generation import sampling_processors
+from modeling_xpress.refinement import decode, gumbel_noise, jacobi_refine
+from tests.builders import perfect_head, permutation_target, tiny_llama, tiny_qwen3, tiny_xpress
+from tests.test_sampling import DRAWS, LENGTH, PROMPT, VOCAB, chi_square_pvalue, exact_distribution
+
+REFINERS = ["none", "markov", "xpress"]
+TARGETS = {"llama": tiny_llama, "qwen3": tiny_qwen3}
+PROMPT_LENGTHS = [3, 8, 19]  # shorter than a block (B = 8), one block, longer (the drafter's uncompiled prefill)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release():
+    yield
+    release_compiled_decoders()
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {name: build() for name, build in TARGETS.items()}
+
+
+@pytest.fixture(scope="module")
+def drafters(targets):
+    """One drafter per (target, head), built on first use and shared by every test (and so are its graphs)."""
+    built = {}
+
+    def get(target_name: str, refiner: str):
+        if (target_name, refiner) not in built:
+            built[target_name, refiner] = tiny_xpress(targets[target_name], refiner=refiner)
+        return targets[target_name], built[target_name, refiner]
+
+    return get
+
+
+def prompt(vocab: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same_run(compiled_out, eager_out):
+    """Compiled and eager loops: same tokens, same verification steps, same drafts and Jacobi iterations."""
+    assert torch.equal(compiled_out.sequences, eager_out.sequences)
+    for name in ("acceptance_lengths", "draft_lengths", "jacobi_iterations", "new_tokens"):
+        assert getattr(compiled_out.stats, name) == getattr(eager_out.stats, name), name
+
+
+# --- greedy identity ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+@pytest.mark.parametrize("refiner", REFINERS)
+def test_compiled_greedy_equals_target_greedy_and_eager(drafters, target_name, refiner):
+    target, xpress = drafters(target_name, refiner)
+    for i, length in enumerate(PROMPT_LENGTHS):
+        ids = prompt(target.config.vocab_size, length, seed=i)
+        expected = target.generate(ids, max_new_tokens=29, do_sample=False)
+        out = xpress.spec_generate(target, ids, max_new_tokens=29, compile=True)
+        assert torch.equal(out.sequences, expected)
+        assert isinstance(out.stats, CompiledGenerationStats) and out.stats is xpress.generation_stats
+        assert out.stats.acceptance_lengths and out.stats.time_drafter > 0 and out.stats.time_verify > 0
+        assert_same_run(out, xpress.spec_generate(target, ids, max_new_tokens=29))
+
+
+def corrupted_perfect_pair(refiner: str, wrong_tokens: list[int], block: int = 8):
+    """(target, perm, xpress) on a permutation target whose head is right after every token except `wrong_tokens`:
+    blocks are accepted up to the first draft after a wrong token, so τ takes many values (whole blocks included)."""
+    target, perm = permutation_target(vocab_size=32)
+    xpress = tiny_xpress(target, refiner=refiner, refiner_rank=32, randomize_head=False, block_size=block,
+                         jacobi_max_iters=block - 1)  # fmt: skip
+    perfect_head(xpress, perm)
+    with torch.no_grad():
+        readout = xpress.refiner.readout.weight  # (V, r): column x votes for the token after x
+        for x in wrong_tokens:
+            right = int(perm[x])
+            readout[:, x] = 0.0
+            readout[(right + 1) % 32, x] = 100.0
+    return target, perm, xpress
+
+
+@pytest.fixture(scope="module", params=["markov", "xpress"])
+def constructed(request):
+    return corrupted_perfect_pair(request.param, wrong_tokens=[3, 7, 11, 19, 23, 29])
+
+
+def test_constructed_pair_accepts_every_block_length(constructed):
+    """Not a no-op: the constructed drafter's τ spans short and whole blocks, and compiled == eager step for step."""
+    target, _, xpress = constructed
+    ids = torch.tensor([[5, 9]])
+    out = xpress.spec_generate(target, ids, max_new_tokens=90, stop_token_ids=[], compile=True)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=90, do_sample=False))
+    taus = set(out.stats.acceptance_lengths)
+    assert xpress.config.block_size in taus and len(taus) >= 4, taus
+    assert_same_run(out, xpress.spec_generate(target, ids, max_new_tokens=90, stop_token_ids=[]))
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 9, 10, 12, 23, 41])
+def test_last_block_cut_by_max_new_tokens(constructed, max_new_tokens):
+    """The token budget cuts the last draft (down to a step where the target alone emits the last token)."""
+    target, _, xpress = constructed
+    ids = torch.tensor([[1, 2, 4]])
+    out = xpress.spec_generate(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=[], compile=True)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False))
+    assert out.stats.new_tokens == max_new_tokens
+    assert_same_run(out, xpress.spec_generate(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=[]))
+
+
+def test_eos_mid_block(constructed):
+    """A stop token inside an accepted block ends generation right after it, as in the target's own decode."""
+    target, _, xpress = constructed
+    ids = torch.tensor([[5, 9]])
+    full = xpress.spec_generate(target, ids, max_new_tokens=60, stop_token_ids=[], compile=True)
+    new = full.sequences[0, 2:].tolist()
+    # a token first emitted inside a verification step that accepted several (not the step's last token)
+    ends, total = set(), 1
+    for tau in full.stats.acceptance_lengths:
+        total += tau
+        ends.add(total - 1)
+    index = next(i for i, t in enumerate(new) if i > 1 and i not in ends and t not in new[:i])
+    stop = new[index]
+    out = xpress.spec_generate(target, ids, max_new_tokens=60, stop_token_ids=stop, compile=True)
+    assert out.sequences[0, 2:].tolist() == new[: index + 1]
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=stop))
+    assert_same_run(out, xpress.spec_generate(target, ids, max_new_tokens=60, stop_token_ids=stop))
+
+
+def test_draft_length_cap_is_applied_as_in_eager(constructed):
+    """The cap on drafts per block only masks acceptance (the whole block is verified): same τ as the eager loop."""
+    target, _, xpress = constructed
+    ids = torch.tensor([[5, 9]])
+    out = xpress.spec_generate(target, ids, max_new_tokens=40, stop_token_ids=[], compile=True, num_assistant_tokens=3)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=40, do_sample=False))
+    assert max(out.stats.draft_lengths) == 3 and max(out.stats.acceptance_lengths) == 4
+    eager = xpress.spec_generate(target, ids, max_new_tokens=40, stop_token_ids=[], num_assistant_tokens=3)
+    assert_same_run(out, eager)
+
+
+@pytest.mark.parametrize("refiner", ["markov", "xpress"])
+def test_draft_confidence_threshold_is_applied_as_in_eager(drafters, refiner):
+    target, xpress = drafters("llama", refiner)
+    ids = prompt(96, 7, seed=5)
+    out = xpress.spec_generate(target, ids, max_new_tokens=29, compile=True, assistant_confidence_threshold=0.5)
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=29, do_sample=False))
+    assert min(out.stats.draft_lengths) < xpress.config.block_size - 1  # the threshold cuts
+    assert_same_run(out, xpress.spec_generate(target, ids, max_new_tokens=29, assistant_confidence_threshold=0.5))
+
+
+# --- sampling ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sampling_pair():
+    target = tiny_llama(vocab_size=VOCAB, seed=11)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(60.0)  # peaked and position-dependent, as in test_sampling
+    xpress = tiny_xpress(target, refiner="xpress", block_size=4, jacobi_max_iters=2, seed=5)
+    return target, xpress
+
+
+def draw(xpress, target, compile: bool, seed: int, draws: int = DRAWS, **kwargs) -> list[tuple[int, ...]]:
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(draws):
+        seq = xpress.spec_generate(target, PROMPT, max_new_tokens=LENGTH, stop_token_ids=[], generator=generator,
+                                   compile=compile, **kwargs).sequences  # fmt: skip
+        out.append(tuple(seq[0, PROMPT.shape[1] :].tolist()))
+    return out
+
+
+def test_compiled_sampling_is_lossless(sampling_pair):
+    """χ² goodness of fit at T=1 against the exact distribution of every continuation (see test_sampling)."""
+    target, xpress = sampling_pair
+    samples = draw(xpress, target, compile=True, seed=0, temperature=1.0)
+    assert chi_square_pvalue(samples, exact_distribution(target, LogitsProcessorList())) > 1e-3
+
+
+def test_the_compiled_test_detects_a_wrong_q(sampling_pair, monkeypatch):
+    """Power: a compiled refiner that reports the seed iteration's logits as q is rejected by the same test."""
+    target, xpress = sampling_pair
+    honest = jacobi_fixed_iterations
+
+    def wrong_q(refiner, folded, hidden, base_logits, anchor_ids, *, logits_transform=None, noise=None, **kwargs):
+        result = honest(refiner, folded, hidden, base_logits, anchor_ids, logits_transform=logits_transform,
+                        noise=noise, **kwargs)  # fmt: skip
+        result.logits, _ = decode(base_logits, logits_transform, noise)
+        return result
+
+    monkeypatch.setattr(compiled, "jacobi_fixed_iterations", wrong_q)
+    monkeypatch.setattr(compiled, "_DECODERS", type(compiled._DECODERS)())  # a fresh decoder traces `wrong_q`
+    samples = draw(xpress, target, compile=True, seed=2, temperature=1.0)
+    assert chi_square_pvalue(samples, exact_distribution(target, LogitsProcessorList())) < 1e-3
+
+
+@pytest.mark.parametrize("settings", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 2}])
+def test_compiled_sampling_equals_eager_draw_for_draw(sampling_pair, settings):
+    """Same generator, same random draws in the same order: the same samples as the eager loop."""
+    target, xpress = sampling_pair
+    compiled_samples = draw(xpress, target, compile=True, seed=7, draws=25, **settings)
+    assert compiled_samples == draw(xpress, target, compile=False, seed=7, draws=25, **settings)
+    assert len(set(compiled_samples)) > 3  # really sampling
+
+
+# --- compiled state --------------------------------------------------------------------------------------------
+
+
+def test_compiled_state_is_kept_across_calls():
+    """Only the first call with new shapes compiles: later calls of the same (target, drafter, length bucket) reuse
+    the decoder, and dynamo reuses the graphs for other models of the same shapes (their weights are graph inputs)."""
+    target = tiny_llama(vocab_size=40, num_hidden_layers=2, seed=3)  # shapes no other test compiles
+    xpress = tiny_xpress(target, refiner="markov", block_size=4, num_hidden_layers=1, seed=4)
+    first = xpress.spec_generate(target, prompt(40, 5), max_new_tokens=12, compile=True)
+    second = xpress.spec_generate(target, prompt(40, 11, seed=1), max_new_tokens=20, compile=True)
+    assert first.stats.time_compile > 0 and first.stats.as_dict()["time_compile"] == first.stats.time_compile
+    assert second.stats.time_compile == 0.0
+    decoder = compiled_decoder(xpress, target, compiled.LENGTH_BUCKET, 0.0, None, None)
+    assert compiled_decoder(xpress, target, compiled.LENGTH_BUCKET, 0.0, 50, 0.9) is decoder  # greedy ignores top-k/p
+    assert compiled_decoder(xpress, target, 2 * compiled.LENGTH_BUCKET, 0.0, None, None) is not decoder
+    other_target, other = tiny_llama(vocab_size=40, num_hidden_layers=2, seed=5), tiny_xpress(
+        target, refiner="markov", block_size=4, num_hidden_layers=1, seed=6
+    )
+    ids = prompt(40, 7, seed=2)
+    out = other.spec_generate(other_target, ids, max_new_tokens=15, compile=True)
+    assert out.stats.time_compile == 0.0
+    assert torch.equal(out.sequences, other_target.generate(ids, max_new_tokens=15, do_sample=False))
+
+
+# --- static caches without crop (uncompiled: the reasoning, not the compiler) -------------------------------------
+
+
+def fill_with_garbage(cache):
+    for layer in cache.layers:
+        if layer.is_initialized:
+            layer.keys.normal_(std=10.0)
+            layer.values.normal_(std=10.0)
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+def test_target_static_cache_needs_no_crop(drafters, target_name):
+    """Verify a block, "reject" all but its first drafts by moving on: the next block's logits and features equal
+    a fresh forward over the committed tokens, although the cache still holds the rejected drafts and, beyond them,
+    garbage (stale slots are never cleared; the causal mask by position hides them)."""
+    target, xpress = drafters(target_name, "none")
+    decoder = CompiledDecoder(xpress, target, 64, 0.0, None, None)
+    ids = prompt(96, 6, seed=3)
+    decoder.prefill(ids)
+    fill_with_garbage(decoder.target_cache)  # the prompt's slots too: prefill them again
+    decoder.prefill(ids)
+    first = torch.randint(0, 96, (1, 8))
+    decoder._verify(first, torch.tensor(6))  # writes slots 6..13
+    second = torch.randint(0, 96, (1, 8))
+    logits, features = decoder._verify(second, torch.tensor(9))  # keeps first[:3]; slots 14.. hold garbage
+    committed = torch.cat([ids, first[:, :3], second], dim=1)
+    reference = target(committed, output_hidden_states=True)
+    assert torch.allclose(logits, reference.logits[0, 9:].float(), atol=1e-4)
+    expected = torch.cat([reference.hidden_states[i + 1][:, 9:] for i in xpress.config.target_layer_ids], dim=-1)
+    assert torch.allclose(features, expected, atol=1e-4)
+    keys = decoder.target_cache.layers[0].keys[0, :, 17:]  # after the second block: garbage, never cleared
+    assert keys.abs().mean() > 1.0
+
+
+def test_drafter_static_cache_needs_no_crop(drafters):
+    """The drafter on a static cache with padded context: the block's hidden states equal the eager drafter's on a
+    dynamic cache cropped after every step, with rejected blocks, padding rows and garbage left in the slots."""
+    target, xpress = drafters("llama", "xpress")
+    decoder = CompiledDecoder(xpress, target, 64, 0.0, None, None)
+    fill_with_garbage(decoder.draft_cache)
+    features = torch.randn(1, 30, xpress.fc.in_features)
+    embed = target.get_input_embeddings()
+    reference_cache = DynamicCache(config=xpress.config)
+    context_len = 0
+    for count, anchor in ((11, 4), (3, 17), (8, 2), (1, 40)):  # the prompt (11 > B: unpadded), then 1..B rows
+        context = features[:, context_len : context_len + count]
+        anchor_ids = torch.tensor([[anchor]])
+        padded = context if count > 8 else compiled._pad_rows(context, 8)
+        hidden = decoder._draft(anchor_ids, padded, torch.tensor(context_len), torch.tensor(count))
+        position_ids = torch.arange(context_len, context_len + count + 8).unsqueeze(0)
+        expected = xpress(noise_embeds=xpress.embed_blocks(anchor_ids, embed), context_hidden_states=context,
+                          position_ids=position_ids, cache=reference_cache).last_hidden_state  # fmt: skip
+        reference_cache.crop(-8)
+        assert torch.allclose(hidden, expected, atol=1e-5), count
+        context_len += count
+
+
+# --- the fixed-iteration Jacobi graph against the reference ------------------------------------------------------
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_fixed_iterations_equal_jacobi_refine(drafters, sample):
+    """Tokens, logits and iteration counts of the fixed-K form equal `jacobi_refine` with and without early exit."""
+    _, xpress = drafters("qwen3", "xpress")
+    refiner = xpress.refiner
+    torch.manual_seed(0)
+    hidden, base = torch.randn(3, 7, 64), torch.randn(3, 7, 96) * 3
+    anchors = torch.tensor([1, 50, 95])
+    noise = gumbel_noise(base.shape, generator=torch.Generator().manual_seed(1)) if sample else None
+    processors = sampling_processors(0.8, 20, None)
+    transform = (lambda x: processors(None, x.reshape(-1, 96)).reshape(x.shape)) if sample else None
+    iteration_counts = set()
+    for k in (1, 2, 4, 7, 9):
+        fixed = jacobi_fixed_iterations(refiner, refiner.folded(), hidden, base, anchors, iterations=k,
+                                        logits_transform=transform, noise=noise)  # fmt: skip
+        for early_exit in (True, False):
+            ref = jacobi_refine(refiner, hidden, base, anchors, max_iters=k, early_exit=early_exit,
+                                logits_transform=transform, noise=noise)  # fmt: skip
+            assert torch.equal(fixed.tokens, ref.tokens) and torch.equal(fixed.iterations, ref.iterations)
+            assert torch.allclose(fixed.logits, ref.logits, atol=1e-5)
+        iteration_counts.update(fixed.iterations.tolist())
+    assert len(iteration_counts) > 2  # blocks settle after different numbers of iterations: early exit matters
+
+
+# --- what compile=True refuses ---------------------------------------------------------------------------------
+
+
+def test_unsupported_options_raise(drafters):
+    target, xpress = drafters("llama", "xpress")
+    ids = prompt(96, 4)
+    for kwargs, name in (({"repetition_penalty": 1.3}, "repetition_penalty"),
+                         ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size"),
+                         ({"logits_processor": sampling_processors(0.5, None, None)}, "logits_processor")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"compile=True\) does not support {name}"):
+            xpress.spec_generate(target, ids, max_new_tokens=4, compile=True, **kwargs)
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        xpress.spec_generate(target, ids, max_new_tokens=4, compile="yes")
+
+
+def test_sliding_window_target_raises():
+    target = tiny_qwen3(use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                        layer_types=["sliding_attention"] * 5)  # fmt: skip
+    xpress = tiny_xpress(target)
+    with pytest.raises(ValueError, match="full-attention layers in the target"):
+        xpress.spec_generate(target, prompt(96, 4), max_new_tokens=4, compile=True)
+
+
+def test_generate_with_a_static_cache_points_to_compile(drafters):
+    target, xpress = drafters("llama", "none")
+    with pytest.raises(ValueError, match=r"spec_generate\(target, input_ids, compile=True\)"):
+        target.generate(prompt(96, 4), max_new_tokens=5, assistant_model=xpress, cache_implementation="static")
+
+
+# --- the GPU check script, on CPU with small shapes ------------------------------------------------------------
+
+
+@pytest.mark.slow  # about a minute and a half on one CPU thread: it compiles plain, xPress and four refiner graphs
+def test_gpu_check_runs_tiny(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, "examples/gpu_check.py", "--tiny", "--threads", "1", "--no-profile", "--out", str(out)]
+    subprocess.run(command, check=True, env=env, cwd=root)
+    report = json.loads(out.read_text())
+    assert report["plain"]["eager_tokens_per_s"] > 0 and report["plain"]["compiled_tokens_per_s"] > 0
+    steps = report["xpress"]
+    assert steps["spec_generate_compiled_first_call"]["compile_s"] > 0
+    assert steps["spec_generate_compiled"]["compile_s"] == 0.0  # compiled once, then reused
+    for name in ("assisted_generate_eager", "spec_generate_eager", "spec_generate_compiled"):
+        assert steps[name]["step_ms"] > 0 and steps[name]["verify_ms"] > 0
+    assert set(report["refiner_latency"]) == {"K=1", "K=2", "K=4", "K=8"}
