@@ -44,6 +44,7 @@ from pathlib import Path
 
 from modeling_xpress import XPressModel
 from modeling_xpress.assets import smollm2_dir
+from modeling_xpress.plots import plot_training_curves
 from modeling_xpress.training import snapshot_checkpoint
 
 HEADS = ("dflash", "markov", "xpress")
@@ -186,8 +187,9 @@ def main() -> None:
             print(f"[{stage}] snapshot: {written or 'no checkpoint yet'}")
         summary_path.parent.mkdir(parents=True, exist_ok=True)
         summary_path.write_text(json.dumps(summary, indent=2, default=str))
-        if args.snapshots:
-            (Path(args.snapshots) / "training_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        (Path(args.snapshots) / "training_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        curves = {stage: summary[stage].get("curves", []) for stage in args.stages if stage in summary}
+        plot_training_curves(curves, Path(args.snapshots) / "training_curves.png")
         return
     for stage in args.stages:
         if stage == "drafter":

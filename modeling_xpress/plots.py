@@ -63,6 +63,39 @@ def plot_tau_vs_k(results: Mapping, path: Path) -> Path | None:
     return path
 
 
+def plot_training_curves(stages: Mapping[str, list[dict]], path: Path) -> Path | None:
+    """Training curves of several stages (name → a Trainer's `log_history`): the τ estimate on the training batches
+    and on the held-out evaluation (left), the loss (right), against the step. None when nothing was logged."""
+    stages = {name: history for name, history in stages.items() if any("loss" in e for e in history)}
+    if not stages:
+        return None
+    plt = _pyplot()
+    fig, (tau_ax, loss_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for c, (name, history) in enumerate(stages.items()):
+        train = [(e["step"], e) for e in history if "loss" in e]
+        evals = [(e["step"], e) for e in history if "eval_loss" in e]
+        tau_ax.plot([s for s, e in train if "tau_estimate" in e], [e["tau_estimate"] for _, e in train
+                    if "tau_estimate" in e], color=f"C{c}", alpha=0.35, lw=0.8)  # fmt: skip
+        if evals:
+            tau_ax.plot([s for s, _ in evals], [e["eval_tau_estimate"] for _, e in evals], "o-", color=f"C{c}",
+                        label=f"{name} (held-out)")  # fmt: skip
+        loss_ax.plot([s for s, _ in train], [e["loss"] for _, e in train], color=f"C{c}", alpha=0.5, lw=0.8,
+                     label=f"{name} (train)")  # fmt: skip
+        if evals:
+            loss_ax.plot([s for s, _ in evals], [e["eval_loss"] for _, e in evals], "o-", color=f"C{c}",
+                         label=f"{name} (held-out)")  # fmt: skip
+    tau_ax.set_ylabel("τ estimate at T=1 (faint: training batches)")
+    loss_ax.set_ylabel("objective")
+    for ax in (tau_ax, loss_ax):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_draft_breakdown(results: Mapping, path: Path) -> Path:
     """Paper Fig. 4: stacked per-block draft cost (drafter forward / lm_head readout / refiner) per method."""
     plt = _pyplot()
@@ -120,4 +153,4 @@ def plot_refiner_latency(results: Mapping, path: Path) -> Path | None:
     return path
 
 
-__all__ = ["plot_draft_breakdown", "plot_refiner_latency", "plot_tau_vs_k"]
+__all__ = ["plot_draft_breakdown", "plot_refiner_latency", "plot_tau_vs_k", "plot_training_curves"]

@@ -348,3 +348,13 @@ print(json.dumps({"markdown": reports.markdown_report(results), "cards": reports
     (row,) = [r for r in out["cards"] if r["dataset"] == reports.ALL]
     assert row == {"method": "xpress", "dataset": "all", "temperature": 0.0, "tau": 3.0, "speedup_spec_generate": 2.0,
                    "speedup_generate": 1.25, "speedup_spec_generate_vs_compiled": 1.6}  # fmt: skip
+
+
+def test_training_curves_plot(tmp_path):
+    from modeling_xpress.plots import plot_training_curves
+
+    history = [{"step": 5, "loss": 3.0, "tau_estimate": 1.1}, {"step": 10, "loss": 2.5, "tau_estimate": 1.2},
+               {"step": 10, "eval_loss": 2.7, "eval_tau_estimate": 1.15}]  # fmt: skip
+    path = plot_training_curves({"drafter": history, "xpress": history[:2]}, tmp_path / "curves.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_training_curves({"drafter": [{"step": 1, "eval_loss": 1.0}]}, tmp_path / "none.png") is None
