@@ -1,0 +1,448 @@
+"""Compiled xPress decoding: `spec_generate(..., compile=True)`.
+
+On a GPU the eager loop is launch-bound: a verification of 16 tokens through an 8B target is thousands of small
+kernels, and so is a draft step. This file runs the same loop with every shape fixed, so that each model call can be
+compiled once (`torch.compile`, mode "reduce-overhead" on CUDA: replayed as a CUDA graph; default inductor on CPU):
+
+* static caches (transformers `StaticCache`) for the target and for the drafter, sized once per length bucket;
+* verification always runs the whole block `[anchor, d_1..d_{B-1}]`; only the first `m` drafts (the draft-length cut,
+  the token budget) take part in acceptance, exactly as the eager loop verifies `m`. By causality the target's
+  logits at positions 0..m do not depend on the drafts after them;
+* the drafter's new context (the verified tokens' target features, 1..B of them per step) is padded to B rows and
+  masked; the prompt's context, whose length varies per call, goes through the same function uncompiled (a prefill);
+* the Jacobi refiner runs a fixed `jacobi_max_iters` iterations inside its graph. Early exit needs no decision
+  outside it: after a fixed point an iteration reproduces its input (Theorem 1), so the tokens and logits are those
+  of the eager loop, and the iteration count is tracked per block inside the graph exactly as `jacobi_refine` does.
+
+Static caches are never cropped. Each cache write starts at the first slot that is not committed (the write pointer
+is set before every call), so the next write overwrites the rejected slots, and masks by position hide what is stale:
+the target's causal mask lets a query at position p see slots <= p only, and the drafter's mask shows it its committed
+context and the block it is drafting, nothing else. The loop itself (acceptance, stop tokens, the draft-length rule,
+random draws) is the eager loop's own code, run outside the graphs on their outputs, so greedy and sampled outputs
+match `compile=False`.
+
+Compiled state (caches and compiled calls) is kept per (target, drafter, length bucket, decoding settings), so only
+the first call pays compilation; `stats.time_compile` says how long it took. `release_compiled_decoders()` frees it.
+
+This file travels with every saved checkpoint; it imports only torch, transformers and its siblings.
+"""
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
+
+from .generation import (
+    SectionTimer,
+    XPressGenerateOutput,
+    XPressGenerationStats,
+    _accept_greedy,
+    _accept_sampling,
+    decoding_processors,
+    draft_length,
+    target_features,
+)
+from .refinement import RefinementResult, decode, gumbel_noise, previous_tokens
+
+# Static caches are sized to a multiple of this many tokens, so prompts of different lengths share compiled state.
+LENGTH_BUCKET = 256
+# Compiled decoders kept alive at once (each holds two static caches); the least recently used is released first.
+MAX_DECODERS = 8
+
+
+@dataclass
+class CompiledGenerationStats(XPressGenerationStats):
+    """`XPressGenerationStats` of a compiled call, plus the seconds spent in calls that compiled a graph (0 when all
+    graphs were compiled by an earlier call). Section times and `time_total` include that compilation."""
+
+    time_compile: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "time_compile": self.time_compile}
+
+
+def _graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+class _TimedCompile:
+    """A `torch.compile`d function that charges the wall time of each call that compiled a graph to its decoder.
+    `fullgraph=True`: a graph break is an error at the first call, not a silent slow path."""
+
+    def __init__(self, fn, decoder: "CompiledDecoder", mode: str | None):
+        self.fn = torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
+        self.decoder = decoder
+
+    def __call__(self, *args):
+        before, start = _graphs_compiled(), time.perf_counter()
+        out = self.fn(*args)
+        if _graphs_compiled() != before:
+            self.decoder.compile_seconds += time.perf_counter() - start
+        return out
+
+
+def _static_cache(config, max_cache_len: int, who: str) -> StaticCache:
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer})
+    if kinds:
+        raise ValueError(
+            f"spec_generate(compile=True) needs full-attention layers in the {who}, but its static cache has {kinds} "
+            "layers (sliding-window, chunked or other attention), whose slots are not token positions. Use "
+            "compile=False for this model."
+        )
+    return cache
+
+
+def _set_write_position(cache: StaticCache, position) -> None:
+    """Point every layer's next write at `position` (an int or a 0-d tensor): the committed slots stay, everything
+    from `position` on is overwritten by the next call."""
+    for layer in cache.layers:
+        if isinstance(position, int):
+            layer.cumulative_length.fill_(position)
+        else:
+            layer.cumulative_length.copy_(position)
+
+
+def _pad_rows(features: torch.Tensor, rows: int) -> torch.Tensor:
+    """(1, c, F) → (1, rows, F) with zero rows after the c real ones (masked out by the drafter)."""
+    missing = rows - features.shape[1]
+    if missing == 0:
+        return features
+    return torch.cat([features, features.new_zeros(features.shape[0], missing, features.shape[2])], dim=1)
+
+
+def _prefix_free_transform(processors):
+    """The logits transform of prefix-free processors (temperature/top-k/top-p) for a block (b, n, V): they never read
+    the token prefix, so it is not passed (in the eager loop `processors_transform` passes it, unread)."""
+    if not processors:
+        return None
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        b, n, v = logits.shape
+        unread_ids = torch.zeros(b * n, 1, dtype=torch.long, device=logits.device)
+        return processors(unread_ids, logits.reshape(b * n, v)).reshape(b, n, v)
+
+    return transform
+
+
+def jacobi_fixed_iterations(refiner, folded, hidden, base_logits, anchor_ids, *, iterations: int,
+                            to_vocabulary=None, logits_transform=None, noise=None) -> RefinementResult:  # fmt: skip
+    """`jacobi_refine` with a fixed number of full-block iterations and no early exit: the graph-friendly form.
+
+    `folded` is `refiner.folded()`, computed outside the graph (it is cached by tensor versions, which a graph cannot
+    read). Every iteration re-decodes all positions; a block's iteration count stops at its first iteration that
+    changes no token, as in `jacobi_refine`, and iterations after a fixed point reproduce it (Theorem 1), so tokens,
+    logits and counts equal `jacobi_refine(..., max_iters=iterations)` with or without early exit.
+    """
+    to_vocabulary = to_vocabulary or (lambda values: values)
+    # refiner.prepare(hidden), from the precomputed operators: the token-independent part of c, once per block
+    g = hidden.mean(dim=1, keepdim=True)
+    a_hidden = hidden @ folded.hidden_weight.T + g @ folded.global_weight.T  # (b, n, r)
+    prepared = torch.einsum("dkj,bjd->bkd", folded.mix, a_hidden)  # (b, n, r)
+    processed, tokens = decode(base_logits, logits_transform, noise)  # seed Y^0 from the drafter's marginals
+    b = tokens.shape[0]
+    counts = torch.zeros(b, dtype=torch.long, device=tokens.device)
+    settled = torch.zeros(b, dtype=torch.bool, device=tokens.device)
+    for _ in range(iterations):
+        # refiner.delta_folded(prepared, previous) over the whole block
+        previous = previous_tokens(anchor_ids, tokens)  # (b, n)
+        c = prepared + torch.einsum("dkj,bjd->bkd", folded.mix, folded.token_table[previous])
+        delta = to_vocabulary(refiner.trans_read(c))  # (b, n, V)
+        processed, new_tokens = decode(base_logits + delta, logits_transform, noise)
+        changed = (new_tokens != tokens).any(dim=1)
+        counts += (~settled).long()
+        settled |= ~changed
+        tokens = new_tokens
+    return RefinementResult(tokens=tokens, logits=processed, iterations=counts)
+
+
+class CompiledDecoder:
+    """Static caches and compiled calls for one (target, drafter, cache length, decoding settings).
+
+    Four compiled calls, each with fixed shapes: `drafter` (block embedding + drafter forward on a context padded to
+    B rows), `head` (the drafter's base logits through the target's lm_head), `refiner` (the head's decode) and
+    `verify` (the target on the whole block: its processed logits and the drafter's next context features). The
+    compiled calls of every decoder share code, so dynamo reuses a graph for any models of the same shapes (weights
+    and caches are graph inputs) and compiles only for new shapes.
+    """
+
+    def __init__(self, xpress, target, max_cache_len: int, temperature: float, top_k, top_p):
+        self.xpress, self.target = xpress, target
+        self.block = xpress.config.block_size
+        self.max_cache_len = max_cache_len
+        self.layer_ids = list(xpress.config.target_layer_ids)
+        self.hidden_request = [i + 1 for i in self.layer_ids]
+        self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.do_sample = temperature > 0
+        self.processors = decoding_processors(temperature, top_k, top_p)
+        self.transform = _prefix_free_transform(self.processors)
+        self.jacobi_iters = xpress.config.jacobi_max_iters
+        self.target_cache = _static_cache(target.config, max_cache_len, "target")
+        self.draft_cache = _static_cache(xpress.config, max_cache_len, "drafter")
+        # Allocated now, not lazily inside the first (compiled) drafter call: a graph traced through the allocation
+        # would be traced again on the next call. (The target's cache is allocated by the uncompiled prefill.)
+        config = xpress.config
+        self.draft_cache.early_initialization(
+            1, config.num_key_value_heads, config.head_dim, xpress.fc.weight.dtype, xpress.device
+        )
+        self.cuda = target.device.type == "cuda"
+        mode = "reduce-overhead" if self.cuda else None  # CUDA graphs on a GPU; plain inductor kernels on CPU
+        self.compile_seconds = 0.0
+        self.drafter = _TimedCompile(self._draft, self, mode)
+        self.head = _TimedCompile(self._base_logits, self, mode)
+        self.refiner = _TimedCompile(self._refine, self, mode)
+        self.verify = _TimedCompile(self._verify, self, mode)
+
+    # --- the four graphs ------------------------------------------------------------------------------------------
+
+    def _draft(self, anchor: torch.Tensor, context: torch.Tensor, context_len: torch.Tensor, count: torch.Tensor):
+        """Drafter forward for one block. anchor (1, 1); context (1, W, L·H_t) target features whose first `count`
+        rows are the committed tokens at positions context_len..anchor_pos-1 (the rest is padding); returns the
+        block's last hidden states (1, B, H).
+
+        Cache slots: the context rows go to context_len..context_len+W-1, the block to the next B slots. The block
+        sees the committed slots (< anchor_pos) and itself; padding rows and stale slots are masked out.
+        """
+        xpress, block, width = self.xpress, self.block, context.shape[1]
+        device = anchor.device
+        anchor_pos = context_len + count
+        noise_embeds = xpress.embed_blocks(anchor, self.embed_tokens)  # (1, B, H)
+        position_ids = torch.cat([context_len + torch.arange(width, device=device),
+                                  anchor_pos + torch.arange(block, device=device)]).unsqueeze(0)  # fmt: skip
+        slots = torch.arange(self.max_cache_len, device=device)
+        block_start = context_len + width
+        visible = (slots < anchor_pos) | ((slots >= block_start) & (slots < block_start + block))  # (S,)
+        mask = visible.view(1, 1, 1, -1).expand(1, 1, block, -1)  # (1, 1, B, S)
+        _set_write_position(self.draft_cache, context_len)
+        dtype = xpress.fc.weight.dtype
+        out = xpress(noise_embeds=noise_embeds.to(dtype), context_hidden_states=context.to(dtype),
+                     position_ids=position_ids, attention_mask=mask, cache=self.draft_cache)  # fmt: skip
+        return out.last_hidden_state  # (1, B, H)
+
+    def _base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.xpress.base_logits(hidden.to(self.lm_head.weight.dtype), self.lm_head)  # (1, n, V)
+
+    def _refine(self, hidden, base_logits, anchor_ids, noise, folded):
+        xpress = self.xpress
+        if folded is None:  # Markov serial decode, plain argmax, or Jacobi with K = 0: no data-dependent control flow
+            result = xpress.refine(hidden, base_logits, anchor_ids, logits_transform=self.transform, noise=noise)
+        else:
+            to_vocabulary = None if xpress.draft_token_ids is None else xpress.to_vocabulary
+            result = jacobi_fixed_iterations(
+                xpress.refiner, folded, hidden, base_logits, anchor_ids, iterations=self.jacobi_iters,
+                to_vocabulary=to_vocabulary, logits_transform=self.transform, noise=noise,
+            )  # fmt: skip
+        return result.tokens, result.logits, result.iterations
+
+    def _verify(self, tokens: torch.Tensor, anchor_pos: torch.Tensor):
+        """Target forward on the whole block tokens (1, B) at positions anchor_pos.. : processed logits (B, V) and
+        the drafter's context features of these tokens (1, B, L·H_t)."""
+        _set_write_position(self.target_cache, anchor_pos)
+        position_ids = (anchor_pos + torch.arange(self.block, device=tokens.device)).unsqueeze(0)
+        out = self.target(input_ids=tokens, position_ids=position_ids, cache=self.target_cache,
+                          output_hidden_states=self.hidden_request)  # fmt: skip
+        logits = out.logits[0].float()  # (B, V)
+        if self.processors:  # prefix-free: the ids are not read
+            logits = self.processors(tokens.expand(self.block, -1), logits)
+        return logits, target_features(out.hidden_states, self.layer_ids, self.block)
+
+    # --- one call -------------------------------------------------------------------------------------------------
+
+    def prefill(self, input_ids: torch.Tensor):
+        """The prompt through the target, uncompiled (its length varies): logits of the last position, features."""
+        _set_write_position(self.target_cache, 0)
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        out = self.target(input_ids=input_ids, position_ids=position_ids, cache=self.target_cache,
+                          output_hidden_states=self.hidden_request, logits_to_keep=1)  # fmt: skip
+        return out.logits[:, -1], target_features(out.hidden_states, self.layer_ids, input_ids.shape[1])
+
+    def folded(self):
+        """The refiner's folded operators for a Jacobi graph, or None when the head's decode needs none."""
+        refiner = self.xpress.refiner
+        if not refiner.iterative or self.jacobi_iters == 0:
+            return None
+        folded = refiner.folded()
+        if self.cuda:  # parameters-like: a CUDA graph reads them in place instead of copying them in every replay
+            for tensor in (folded.token_table, folded.hidden_weight, folded.global_weight, folded.mix):
+                torch._dynamo.mark_static_address(tensor)
+        return folded
+
+
+_DECODERS: "OrderedDict[tuple, CompiledDecoder]" = OrderedDict()
+
+
+def release_compiled_decoders() -> None:
+    """Drop every kept compiled decoder (its static caches and the models it references)."""
+    _DECODERS.clear()
+
+
+def compiled_decoder(xpress, target, max_cache_len: int, temperature: float, top_k, top_p) -> CompiledDecoder:
+    """The kept decoder for these models, cache length and decoding settings, built on first use."""
+    config = xpress.config
+    if temperature == 0:  # greedy: top-k/top-p do not apply
+        top_k = top_p = None
+    key = (id(xpress), id(target), max_cache_len, temperature, top_k, top_p, config.block_size,
+           config.jacobi_max_iters, config.refiner)  # fmt: skip
+    decoder = _DECODERS.get(key)
+    if decoder is None or decoder.xpress is not xpress or decoder.target is not target:
+        decoder = CompiledDecoder(xpress, target, max_cache_len, temperature, top_k, top_p)
+        _DECODERS[key] = decoder
+        while len(_DECODERS) > MAX_DECODERS:
+            _DECODERS.popitem(last=False)
+    _DECODERS.move_to_end(key)
+    return decoder
+
+
+def cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """Slots of both static caches for a call: the prompt, the new tokens and the last verified block plus its padded
+    drafter context, rounded up to a multiple of `LENGTH_BUCKET` (calls in one bucket share compiled state)."""
+    return -(-(prompt_len + max_new_tokens + 2 * block_size) // LENGTH_BUCKET) * LENGTH_BUCKET
+
+
+def check_compilable(xpress, target, repetition_penalty, no_repeat_ngram_size, logits_processor) -> None:
+    """Errors for what the compiled loop cannot reproduce exactly; `compile=False` serves all of them."""
+    unsupported = [
+        name
+        for name, used in (
+            ("repetition_penalty", repetition_penalty is not None and repetition_penalty != 1.0),
+            ("no_repeat_ngram_size", bool(no_repeat_ngram_size)),
+            ("logits_processor", bool(logits_processor)),
+        )
+        if used
+    ]
+    if unsupported:
+        raise ValueError(
+            f"spec_generate(compile=True) does not support {', '.join(unsupported)}: these processors read the token "
+            "prefix, whose length changes every step, so they cannot run in a fixed-shape graph. It supports greedy "
+            "decoding and sampling with temperature, top_k and top_p; use compile=False for the rest."
+        )
+    if xpress.device != target.device:
+        raise ValueError(
+            f"spec_generate(compile=True) needs the drafter and the target on one device, got {xpress.device} and "
+            f"{target.device}: move the drafter with xpress.to(target.device), or use compile=False."
+        )
+
+
+@torch.no_grad()
+def compiled_spec_generate(
+    xpress,
+    target,
+    input_ids: torch.LongTensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k,
+    top_p,
+    stop: torch.Tensor,
+    generator: torch.Generator | None,
+    draft_rule,
+) -> XPressGenerateOutput:
+    """`spec_generate`'s loop on a `CompiledDecoder`: prefill → draft → refine → verify → accept, fixed shapes.
+
+    Arguments are checked by `spec_generate`, which dispatches here for `compile=True`.
+    """
+    cache_len = cache_length(input_ids.shape[1], max_new_tokens, xpress.config.block_size)
+    # Every compiled decoder's calls share code objects; dynamo keeps one entry per decoder, so allow more than its
+    # default 8, and fail loudly rather than fall back to eager if even that is exceeded.
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        decoder = compiled_decoder(xpress, target, cache_len, temperature, top_k, top_p)
+        compiled_before = decoder.compile_seconds
+        stats = CompiledGenerationStats()
+        xpress.generation_stats = stats
+        out = _decode(decoder, input_ids, max_new_tokens, stop, generator, draft_rule, stats)
+        stats.time_compile = decoder.compile_seconds - compiled_before
+    return out
+
+
+def _decode(decoder: CompiledDecoder, input_ids, max_new_tokens, stop, generator, draft_rule, stats):
+    xpress, block, n = decoder.xpress, decoder.block, decoder.block - 1
+    device, do_sample, processors = input_ids.device, decoder.do_sample, decoder.processors
+    timer = SectionTimer(device)
+    start = timer.mark()
+    stop_ids = set(stop.tolist())
+
+    def pick(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        logits = processors(ids, logits.float()) if processors else logits.float()
+        if not do_sample:
+            return logits.argmax(dim=-1)
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+    # Prefill: the prompt's features become the drafter's first context, and the target emits the first token.
+    last_logits, features = decoder.prefill(input_ids)
+    sequence = torch.cat([input_ids, pick(last_logits, input_ids).view(1, 1)], dim=1)
+    last_token = int(sequence[0, -1])
+    count = input_ids.shape[1]  # rows of `features` that are new committed context
+    context_len = 0
+    stats.record("verify", start, timer.mark())
+    prompt_len = input_ids.shape[1]
+
+    while sequence.shape[1] - prompt_len < max_new_tokens and last_token not in stop_ids:
+        if decoder.cuda:  # outputs of the previous step's graphs are dead; what is carried over was cloned
+            torch.compiler.cudagraph_mark_step_begin()
+        anchor_pos = sequence.shape[1] - 1
+        anchor = sequence[0, -1].view(1, 1)  # not sequence[:, -1:], whose stride (the length) would recompile
+        budget = min(draft_rule.cap, max_new_tokens - (sequence.shape[1] - prompt_len) - 1)
+        if budget > 0:
+            t0 = timer.mark()
+            positions = torch.tensor([context_len, count], device=device)
+            if features.shape[1] <= block:  # padded to B rows: the fixed-shape graph
+                hidden = decoder.drafter(anchor, _pad_rows(features, block), positions[0], positions[1])
+            else:  # a prompt longer than a block: a prefill of varying length, uncompiled
+                hidden = decoder._draft(anchor, features, positions[0], positions[1])
+            t1 = timer.mark()
+            base = decoder.head(hidden)
+            t2 = timer.mark()
+            noise = gumbel_noise(base.shape, generator=generator, device=base.device) if do_sample else None
+            tokens, q_logits, iterations = decoder.refiner(hidden[:, 1:], base, anchor.view(1), noise, decoder.folded())
+            t3 = timer.mark()
+            stats.record("drafter", t0, t1)
+            stats.record("lm_head", t1, t2)
+            stats.record("refiner", t2, t3)
+            stats.jacobi_iterations.append(int(iterations[0]))
+            context_len = anchor_pos
+            result = RefinementResult(tokens=tokens, logits=q_logits, iterations=iterations)
+            length = draft_length(result, draft_rule.threshold, budget)
+            stats.draft_lengths.append(length)
+            block_drafts = tokens[0]  # (n,): all of them are verified, the first `length` are accepted from
+        else:  # one token left: the target alone emits it (the drafts are placeholders no acceptance reads)
+            length, q_logits = 0, torch.empty(1, 0)
+            block_drafts = anchor[0].expand(n)
+
+        t_verify = timer.mark()
+        verify_ids = torch.cat([anchor, block_drafts.view(1, -1)], dim=1)  # (1, B) [anchor, d_1..d_{B-1}]
+        p_logits, block_features = decoder.verify(verify_ids, torch.tensor(anchor_pos, device=device))
+        draft = block_drafts[:length]
+        if do_sample:
+            matches, bonus = _accept_sampling(draft, q_logits[0, :length], p_logits[: length + 1], generator)
+        else:
+            matches, bonus = _accept_greedy(draft, p_logits[: length + 1])
+        accepted = torch.cat([draft[:matches], bonus.view(1)])
+        stop_at = torch.isin(accepted, stop).nonzero()
+        if stop_at.numel():
+            accepted = accepted[: int(stop_at[0]) + 1]
+        accepted = accepted[: max_new_tokens - (sequence.shape[1] - prompt_len)]
+        # No crop: the next verification writes from the slot after the accepted tokens. The anchor and the accepted
+        # drafts are the next drafter context: the first matches + 1 rows of this block's features.
+        features, count = (block_features.clone() if decoder.cuda else block_features), matches + 1
+        sequence = torch.cat([sequence, accepted.view(1, -1)], dim=1)
+        last_token = int(sequence[0, -1])
+        if length:  # τ counts verification steps of a draft only
+            stats.acceptance_lengths.append(int(accepted.shape[0]))
+        stats.record("verify", t_verify, timer.mark())
+
+    stats.new_tokens = sequence.shape[1] - prompt_len
+    stats.record_total(start, timer.mark())
+    return XPressGenerateOutput(sequences=sequence, stats=stats)
+
+
+__all__ = [
+    "CompiledDecoder",
+    "cache_length",
+    "CompiledGenerationStats",
+    "compiled_spec_generate",
+    "jacobi_fixed_iterations",
+    "release_compiled_decoders",
+]
