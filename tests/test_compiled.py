@@ -372,3 +372,22 @@ def test_gpu_check_runs_tiny(tmp_path):
     for name in ("assisted_generate_eager", "spec_generate_eager", "spec_generate_compiled"):
         assert steps[name]["step_ms"] > 0 and steps[name]["verify_ms"] > 0
     assert set(report["refiner_latency"]) == {"K=1", "K=2", "K=4", "K=8"}
+
+
+@pytest.mark.parametrize("refiner", REFINERS)
+def test_compiled_with_a_draft_vocabulary_equals_eager_and_target_greedy(targets, refiner):
+    """A drafter reading out a draft vocabulary (its rows of the lm_head are cached eagerly and fed to the graph):
+    compiled == eager == the target's greedy output, with a subset that includes the target's likely tokens and one
+    that leaves most of them out."""
+    from modeling_xpress.training import with_draft_vocabulary
+
+    target = targets["llama"]
+    vocab = target.config.vocab_size
+    full = tiny_xpress(target, refiner=refiner)
+    for ids_of_subset in (torch.arange(0, vocab, 2), torch.arange(vocab // 2)):
+        xpress = with_draft_vocabulary(full, ids_of_subset).eval()
+        ids = prompt(vocab, 8, seed=3)
+        expected = target.generate(ids, max_new_tokens=25, do_sample=False)
+        out = xpress.spec_generate(target, ids, max_new_tokens=25, compile=True)
+        assert torch.equal(out.sequences, expected)
+        assert_same_run(out, xpress.spec_generate(target, ids, max_new_tokens=25))
