@@ -26,16 +26,7 @@ from modeling_xpress.assets import DTYPES, load_smollm2
 from modeling_xpress.benchmark import chat_prompt_ids, environment_info, method_info, run_plain
 from modeling_xpress.demo import BUNDLED_CHECKPOINT
 from modeling_xpress.generation import WallClock, spec_generate
-from modeling_xpress.prompts import training_prompts
-
-# The held-out split: generated with the training prompts, reserved for choosing settings, never trained on.
-HELD_OUT_SPLIT = (7200, 0, range(7000, 7200))  # (n, seed, rows) of `training_prompts`
-
-
-def held_out_prompts(limit: int) -> list[str]:
-    n, seed, rows = HELD_OUT_SPLIT
-    return training_prompts(n, seed=seed).select(rows[:limit])["prompt"]
-
+from modeling_xpress.regeneration import HELD_OUT_PROMPTS, held_out_prompts
 
 def settings_of(thresholds: list[float | None], caps: list[int], heads_off: list[float | None]) -> list[dict]:
     """Named spec_generate settings. A threshold of None runs as 0 (no cut) so that the config default, whatever it
@@ -135,8 +126,8 @@ def main() -> None:
     best = max(thresholds, key=lambda name: summary[name]["tokens_per_s"])
     results = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "held_out_split": {"training_prompts_n": HELD_OUT_SPLIT[0], "seed": HELD_OUT_SPLIT[1],
-                           "rows": [HELD_OUT_SPLIT[2].start, HELD_OUT_SPLIT[2].start + len(prompts) - 1]},  # fmt: skip
+        "held_out_split": {"training_prompts_n": HELD_OUT_PROMPTS.stop, "seed": 0,
+                           "rows": [HELD_OUT_PROMPTS.start, HELD_OUT_PROMPTS.start + len(prompts) - 1]},  # fmt: skip
         "arguments": vars(args),
         "note": args.note,
         "environment": environment_info(target),

@@ -30,18 +30,11 @@ from modeling_xpress.assets import DTYPES, load_smollm2
 from modeling_xpress.benchmark import chat_prompt_ids, compiled_plain_kwargs
 from modeling_xpress.compiled import cache_length
 from modeling_xpress.generation import spec_generate
-from modeling_xpress.prompts import training_prompts
-from modeling_xpress.regeneration import HELD_OUT_PROMPTS
+from modeling_xpress.regeneration import held_out_prompts
 
 CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "xpress-smollm2-135m-instruct"
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 DECODERS = ("plain_eager", "plain_compiled", "xpress_eager", "xpress_compiled")
-
-
-def held_out_prompts(count: int) -> list[str]:
-    """The first `count` held-out prompts: made by our templates, kept out of every training set."""
-    first = HELD_OUT_PROMPTS.start
-    return list(training_prompts(first + count)["prompt"][first : first + count])
 
 
 def make_decoders(target, xpress, max_new_tokens: int, max_cache_len: int):

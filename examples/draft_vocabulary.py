@@ -21,11 +21,9 @@ from modeling_xpress import XPressModel
 from modeling_xpress.assets import DTYPES, load_smollm2
 from modeling_xpress.benchmark import chat_prompt_ids, environment_info
 from modeling_xpress.demo import BUNDLED_CHECKPOINT
-from modeling_xpress.prompts import training_prompts
-from modeling_xpress.regeneration import load_responses
+from modeling_xpress.regeneration import held_out_prompts, load_responses
 from modeling_xpress.training import frequency_ranked_vocabulary, with_draft_vocabulary
 
-HELD_OUT_FIRST = 7000  # training_prompts(7200) rows 7000..7199: the held-out split, never trained on
 
 
 def main() -> None:
@@ -51,7 +49,7 @@ def main() -> None:
         ids = frequency_ranked_vocabulary(responses, size, always=(tokenizer.eos_token_id,))
         methods[f"top{size}"] = with_draft_vocabulary(full, ids).eval()
         coverage[f"top{size}"] = float(torch.isin(response_tokens, ids).float().mean())
-    prompts = training_prompts(HELD_OUT_FIRST + args.prompts)["prompt"][HELD_OUT_FIRST:]
+    prompts = held_out_prompts(args.prompts)
     prompt_ids = chat_prompt_ids(tokenizer, prompts)
 
     records = {name: [] for name in ["plain", *methods]}

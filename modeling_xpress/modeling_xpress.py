@@ -465,9 +465,10 @@ class XPressModel(XPressPreTrainedModel):
             hidden = layer(hidden, context, cos, sin, mask, cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden).to(out_dtype), cache=cache)
 
-    def draft_logits(self, last_hidden_state: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def draft_logits(self, last_hidden_state: torch.Tensor, lm_head: nn.Module, rows=None) -> torch.Tensor:
         """Drafter logits s_k of one block's draft positions over the draft vocabulary: (b, B, H) → (b, n, V_d)
-        through the draft vocabulary's rows of the target's lm_head (all of it without a draft vocabulary)."""
+        through the draft vocabulary's rows of the target's lm_head (all of it without a draft vocabulary). `rows`:
+        `draft_readout(lm_head)` computed by the caller (a compiled graph cannot consult that cache)."""
         # As a 2-D (b·n, H) matrix: a 3-D input that is a strided view makes `F.linear` fall back to a batched matmul
         # over a copy of the (V, H) weight per batch row. `.contiguous()` is not enough: at decode time (b = 1) the
         # view [:, 1:] already counts as contiguous, yet its stride on the size-1 batch dimension still selects that
@@ -475,11 +476,17 @@ class XPressModel(XPressPreTrainedModel):
         # 191 → 5.6 ms). In training (b > 1) the reshape copies, which is what made the training step fast.
         hidden = last_hidden_state[:, 1:]
         flat = hidden.reshape(-1, hidden.shape[-1])
-        logits = lm_head(flat) if self.draft_token_ids is None else F.linear(flat, *self._draft_head(lm_head))
+        if self.draft_token_ids is None:
+            logits = lm_head(flat)
+        else:
+            logits = F.linear(flat, *(rows if rows is not None else self.draft_readout(lm_head)))
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
-    def _draft_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The lm_head's rows of the draft vocabulary, copied once and reused while neither changes."""
+    def draft_readout(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The lm_head's rows of the draft vocabulary (weight, bias), copied once and reused while neither changes;
+        None without a draft vocabulary (the lm_head itself reads out)."""
+        if self.draft_token_ids is None:
+            return None
         ids, weight, bias = self.draft_token_ids, lm_head.weight, getattr(lm_head, "bias", None)
         key = (weight.data_ptr(), weight._version, weight.dtype, ids.data_ptr(), ids._version, ids.device)
         if self._draft_head_cache is None or self._draft_head_cache[0] != key:
@@ -488,10 +495,10 @@ class XPressModel(XPressPreTrainedModel):
             self._draft_head_cache = (key, rows)
         return self._draft_head_cache[1]
 
-    def base_logits(self, last_hidden_state: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def base_logits(self, last_hidden_state: torch.Tensor, lm_head: nn.Module, rows=None) -> torch.Tensor:
         """Drafter logits s_k for the draft positions of one block over the whole vocabulary: (b, B, H) → (b, n, V),
         -inf outside the draft vocabulary (so the drafter's q is exactly 0 there)."""
-        return self.to_vocabulary(self.draft_logits(last_hidden_state, lm_head), fill=float("-inf"))
+        return self.to_vocabulary(self.draft_logits(last_hidden_state, lm_head, rows), fill=float("-inf"))
 
     def to_vocabulary(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """(..., V_d) over the draft vocabulary → (..., V) over the target's, `fill` elsewhere (identity without a

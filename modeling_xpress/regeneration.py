@@ -363,6 +363,17 @@ held-out split of the SmolLM2 training data: used to choose defaults (draft leng
 stops improving, never trained on, and never the evaluation sets (HumanEval, MT-Bench)."""
 
 
+def held_out_prompts(count: int) -> list[str]:
+    """The first `count` held-out prompt texts (`HELD_OUT_PROMPTS` of `training_prompts(seed=0)`): for choosing
+    settings and for quick measurements that must not touch the training rows or the evaluation sets."""
+    from .prompts import training_prompts
+
+    if not 1 <= count <= len(HELD_OUT_PROMPTS):
+        raise ValueError(f"count must be between 1 and {len(HELD_OUT_PROMPTS)} held-out prompts, got {count}")
+    first = HELD_OUT_PROMPTS.start
+    return list(training_prompts(first + count)["prompt"][first:])
+
+
 def response_prompt_indices(folder: str | os.PathLike) -> range:
     """The prompt indices of a folder written by `examples/make_training_data.py`, from its `meta.json`: rows are in
     prompt order, `prompts.indices` = [first, end) (absent in sets that start at 0)."""

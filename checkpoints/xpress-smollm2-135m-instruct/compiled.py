@@ -222,22 +222,17 @@ class CompiledDecoder:
                      position_ids=position_ids, attention_mask=mask, cache=self.draft_cache)  # fmt: skip
         return out.last_hidden_state  # (1, B, H)
 
-    def _base_logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`xpress.base_logits` on the readout rows (`head_rows`, a graph input: the drafter's cached copy of its draft
-        vocabulary's rows is keyed by data pointers, which a graph cannot compare)."""
-        draft = hidden.to(weight.dtype)[:, 1:]
-        flat = draft.reshape(-1, draft.shape[-1])  # 2-D, as in `draft_logits`
-        logits = torch.nn.functional.linear(flat, weight, bias).view(*draft.shape[:-1], weight.shape[0])
-        return self.xpress.to_vocabulary(logits, fill=float("-inf"))  # (1, n, V)
+    def _base_logits(self, hidden: torch.Tensor, rows) -> torch.Tensor:
+        # `rows` (the draft vocabulary's lm_head rows, or None) come from `head_rows`, outside the graph
+        return self.xpress.base_logits(hidden.to(self.lm_head.weight.dtype), self.lm_head, rows)  # (1, n, V)
 
-    def head_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The lm_head rows the drafter reads out: all of them, or its draft vocabulary's (copied once, cached)."""
-        if self.xpress.draft_token_ids is None:
-            return self.lm_head.weight, getattr(self.lm_head, "bias", None)
-        weight, bias = self.xpress._draft_head(self.lm_head)
-        if self.cuda:  # read in place by a CUDA graph, like parameters
-            torch._dynamo.mark_static_address(weight)
-        return weight, bias
+    def head_rows(self):
+        """`xpress.draft_readout` outside the graph: its cache is keyed by data pointers, which a graph cannot
+        compare."""
+        rows = self.xpress.draft_readout(self.lm_head)
+        if rows is not None and self.cuda:  # read in place by a CUDA graph, like parameters
+            torch._dynamo.mark_static_address(rows[0])
+        return rows
 
     def _refine(self, hidden, base_logits, anchor_ids, noise, folded):
         xpress = self.xpress
@@ -407,7 +402,7 @@ def _decode(decoder: CompiledDecoder, input_ids, max_new_tokens, stop, generator
             else:  # a prompt longer than a block: a prefill of varying length, uncompiled
                 hidden = decoder._draft(anchor, features, positions[0], positions[1])
             t1 = timer.mark()
-            base = decoder.head(hidden, *decoder.head_rows())
+            base = decoder.head(hidden, decoder.head_rows())
             t2 = timer.mark()
             noise = gumbel_noise(base.shape, generator=generator, device=base.device) if do_sample else None
             tokens, q_logits, iterations = decoder.refiner(hidden[:, 1:], base, anchor.view(1), noise, decoder.folded())
