@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 import torch
 
 from modeling_xpress.assets import DTYPES, load_smollm2
-from modeling_xpress.reports import ENTRIES
+from modeling_xpress.reports import DEFAULT_ENTRIES, ENTRIES
 from modeling_xpress.benchmark import (
     BenchmarkSettings,
     evaluation_prompt_sets,
@@ -62,8 +62,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--run-name", default=None, help="file stem of the outputs (default: date, dtype, limit)")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--entries", nargs="+", default=list(ENTRIES), choices=list(ENTRIES),
-                        help="speculative entry points per method (spec_generate alone halves a long run)")
+    parser.add_argument("--entries", nargs="+", default=list(DEFAULT_ENTRIES), choices=list(ENTRIES),
+                        help="speculative entry points per method: target.generate(assistant_model=) (generate), "
+                        "spec_generate, and spec_generate(compile=True) with one static cache length for the run "
+                        "(spec_generate_compiled; compiled during the warm-up, its seconds recorded). spec_generate "
+                        "is always measured: tau, the K sweep and the draft timers come from it")
     parser.add_argument("--no-compiled-plain", action="store_true",
                         help="skip the second baseline: plain generate with a static cache and torch.compile")
     return parser.parse_args()

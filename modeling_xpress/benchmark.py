@@ -44,7 +44,18 @@ from tqdm.auto import tqdm
 from .generation import WallClock, spec_generate
 from .latency import capture_blocks, measure_refine_latency
 from .plots import plot_draft_breakdown, plot_refiner_latency, plot_tau_vs_k
-from .reports import COMPILED_PLAIN, CONFIG_SETTING, ENTRIES, PLAIN, markdown_report, summarize, sweep_settings
+from .compiled import cache_length
+from .reports import (
+    COMPILED_PLAIN,
+    COMPILED_SPEC,
+    CONFIG_SETTING,
+    DEFAULT_ENTRIES,
+    ENTRIES,
+    PLAIN,
+    markdown_report,
+    summarize,
+    sweep_settings,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -64,7 +75,7 @@ class BenchmarkSettings:
     seed: int = 0  # base seed of the per-prompt sampling generators
     latency_blocks: int = 8  # real drafter blocks captured per method for the refiner microbenchmark
     latency_repeats: int = 30  # timed repeats of each block and setting (the median is reported)
-    entries: tuple[str, ...] = ENTRIES  # speculative entry points measured per method
+    entries: tuple[str, ...] = DEFAULT_ENTRIES  # speculative entry points measured per method (ENTRIES: all)
     compiled_plain: bool = True  # also measure plain decoding with a static cache and torch.compile
 
     def __post_init__(self) -> None:
@@ -74,8 +85,13 @@ class BenchmarkSettings:
         unknown = [e for e in self.entries if e not in ENTRIES]
         if unknown or not self.entries or len(set(self.entries)) != len(self.entries):
             raise ValueError(f"entries must be distinct names from {list(ENTRIES)}, got {list(self.entries)}")
-        if "spec_generate" not in self.entries:
-            raise ValueError("entries must include spec_generate: τ, the K sweep and the timers come from it")
+        if "spec_generate" not in self.entries and COMPILED_SPEC not in self.entries:
+            raise ValueError(f"entries must include spec_generate or {COMPILED_SPEC}: τ and the timers come from it")
+        if "spec_generate" not in self.entries and (self.k_values or self.adaptive):
+            raise ValueError(
+                "the Jacobi K sweep runs through spec_generate, which entries leaves out: add it, or turn the sweep "
+                "off (k_values=(), adaptive=False; --k-values --no-adaptive on the command line)"
+            )
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.temperatures:
@@ -235,11 +251,15 @@ def run_assisted(target, model, ids: torch.Tensor, max_new_tokens: int, temperat
     return out, _now(ids.device) - start, model.generation_stats
 
 
-def run_spec(target, model, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int):
-    """`spec_generate(model, target, ...)`, generator seeded for this prompt; returns (sequences, seconds, stats)."""
+def run_spec(target, model, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int,
+             compiled_cache_len: int | None = None):  # fmt: skip
+    """`spec_generate(model, target, ...)`, generator seeded for this prompt; returns (sequences, seconds, stats).
+    With `compiled_cache_len`: `spec_generate(compile=True, max_cache_len=compiled_cache_len)`."""
     generator = torch.Generator(device=ids.device).manual_seed(seed)
+    compiled = {} if compiled_cache_len is None else {"compile": True, "max_cache_len": compiled_cache_len}
     start = _now(ids.device)
-    out = spec_generate(model, target, ids, max_new_tokens=max_new_tokens, temperature=temperature, generator=generator)
+    out = spec_generate(model, target, ids, max_new_tokens=max_new_tokens, temperature=temperature, generator=generator,
+                        **compiled)  # fmt: skip
     return out.sequences, _now(ids.device) - start, out.stats
 
 
@@ -260,8 +280,10 @@ def _record(context: dict, entry: str, method: str | None, setting: str | None, 
 
 
 def measure_prompt(target, methods: Mapping[str, torch.nn.Module], ids: torch.Tensor, context: dict,
-                   settings: BenchmarkSettings, seed: int, rotation: int, compiled: dict | None = None) -> list[dict]:  # fmt: skip
-    """Every run for one prompt at one temperature.
+                   settings: BenchmarkSettings, seed: int, rotation: int, compiled: dict | None = None,
+                   spec_cache_len: int | None = None) -> list[dict]:  # fmt: skip
+    """Every run for one prompt at one temperature (`spec_cache_len`: the static caches' length of the compiled
+    speculative entry, one for the whole run).
 
     The timed entries (plain eager, plain compiled when `compiled` holds its `generate` arguments, then the
     speculative entries per method) run back to back in an order rotated by `rotation`, so slow drifts of machine load
@@ -280,6 +302,8 @@ def measure_prompt(target, methods: Mapping[str, torch.nn.Module], ids: torch.Te
             done[(entry, name)] = (*run_plain(target, ids, n, temperature, seed, compiled=compiled), None)
         elif entry == "generate":
             done[(entry, name)] = run_assisted(target, methods[name], ids, n, temperature, seed)
+        elif entry == COMPILED_SPEC:
+            done[(entry, name)] = run_spec(target, methods[name], ids, n, temperature, seed, spec_cache_len)
         else:
             done[(entry, name)] = run_spec(target, methods[name], ids, n, temperature, seed)
     reference = done[(PLAIN, None)][0] if temperature == 0 else None
@@ -298,19 +322,27 @@ def measure_prompt(target, methods: Mapping[str, torch.nn.Module], ids: torch.Te
     return records
 
 
-def warm_up(target, methods: Mapping[str, torch.nn.Module], ids: torch.Tensor, compiled: dict | None = None) -> dict:
+def warm_up(target, methods: Mapping[str, torch.nn.Module], ids: torch.Tensor, compiled: dict | None = None,
+            spec_cache_len: int | None = None, temperatures: Sequence[float] = (0.0,)) -> dict:  # fmt: skip
     """One short run of every entry, so one-off costs (allocations, lazy init, folded refiner, compilation) are not
     charged to the first measured prompt. Returns the seconds of the compiled baseline's first call (its compilation)
-    and of a second call (what is left once compiled), under "compiled_plain_first_call_s" / "..._second_call_s"."""
+    and of a second call (what is left once compiled), under "compiled_plain_first_call_s" / "..._second_call_s";
+    with `spec_cache_len` (the compiled speculative entry is measured) each method's compiled decoder is built at every
+    temperature of the run, its compile seconds under "spec_compiled_compile_s" per method."""
     tokens = 2 * max((m.config.block_size for m in methods.values()), default=2)
     run_plain(target, ids, tokens, 0.0, 0)
     warm = {}
     if compiled is not None:
         warm["compiled_plain_first_call_s"] = run_plain(target, ids, tokens, 0.0, 0, compiled=compiled)[1]
         warm["compiled_plain_second_call_s"] = run_plain(target, ids, tokens, 0.0, 0, compiled=compiled)[1]
-    for model in methods.values():
+    for name, model in methods.items():
         run_assisted(target, model, ids, tokens, 0.0, 0)
         run_spec(target, model, ids, tokens, 0.0, 0)
+        if spec_cache_len is not None:
+            seconds = 0.0
+            for temperature in temperatures:  # a decoder per sampling setting; the first call of each compiles
+                seconds += run_spec(target, model, ids, tokens, temperature, 0, spec_cache_len)[2].time_compile
+            warm.setdefault("spec_compiled_compile_s", {})[name] = seconds
     return warm
 
 
@@ -402,7 +434,9 @@ def run_benchmark(
     # One static cache length for every prompt of the run (and the warm-up): one compiled graph serves them all.
     longest = max(int(x.shape[1]) for s in sets.values() for x in s.input_ids)
     compiled = compiled_plain_kwargs(longest + settings.max_new_tokens) if settings.compiled_plain else None
-    warm = warm_up(target, methods, first, compiled)
+    block = max(m.config.block_size for m in methods.values())
+    spec_cache_len = cache_length(longest, settings.max_new_tokens, block) if COMPILED_SPEC in settings.entries else None
+    warm = warm_up(target, methods, first, compiled, spec_cache_len, settings.temperatures)
     all_prompts = [x for s in sets.values() for x in s.input_ids]
     latency = {}
     for name, model in tqdm(methods.items(), desc="refiner latency", disable=not progress):
@@ -418,7 +452,7 @@ def run_benchmark(
                            "prompt_tokens": int(ids.shape[1])}  # fmt: skip
                 seed = _prompt_seed(settings, d_index, p_index)
                 records += measure_prompt(target, methods, ids, context, settings, seed, rotation=p_index,
-                                          compiled=compiled)  # fmt: skip
+                                          compiled=compiled, spec_cache_len=spec_cache_len)  # fmt: skip
                 bar.update(1)
             bar.close()
 

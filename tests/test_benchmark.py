@@ -75,7 +75,7 @@ def test_tau_equals_known_block_size_on_perfect_pair(perfect_run):
             (row,) = rows(summary, "tau", method=method, dataset=dataset, temperature=0.0)
             assert row["tau"] == BLOCK  # exactly: every verification commits a whole block
             assert row["verifications"] == STEPS * (2 if dataset == "a" else 1 if dataset == "b" else 3)
-        for entry in reports.ENTRIES:  # both entry points see the same τ
+        for entry in reports.DEFAULT_ENTRIES:  # both entry points see the same τ
             (row,) = rows(summary, "throughput", method=method, entry=entry, dataset=reports.ALL, temperature=0.0)
             assert row["tau"] == BLOCK
     (none,) = rows(summary, "tau", method="dflash", dataset=reports.ALL, temperature=0.0)
@@ -131,7 +131,7 @@ def test_greedy_identity_count_sees_a_mismatch(monkeypatch):
     results = run_benchmark(target, methods, {"a": [[5, 9], [1, 2, 3], [4]]}, settings, progress=False)
     counts = {(r["method"], r["entry"]): (r["identical"], r["prompts"])
               for r in results["summary"]["identity"] if r["dataset"] == "a"}  # fmt: skip
-    assert counts == {(m, e): (2, 3) for m in methods for e in reports.ENTRIES}
+    assert counts == {(m, e): (2, 3) for m in methods for e in reports.DEFAULT_ENTRIES}
 
 
 def test_latency_covers_every_k_and_the_serial_markov_decode(perfect_run):
@@ -201,18 +201,62 @@ def test_compiled_plain_baseline_is_compiled_once_exact_and_a_ratio_of_its_own(r
     assert baseline["speedup_vs_compiled"] == pytest.approx(1.0)
 
 
-def test_entries_can_skip_generate_but_not_spec_generate():
+def test_entries_need_a_spec_generate_entry():
     assert BenchmarkSettings(entries=("spec_generate",)).entries == ("spec_generate",)
     for entries in [(), ("generate",), ("spec_generate", "spec_generate"), ("spec_generate", "beam")]:
         with pytest.raises(ValueError, match="entries"):
             BenchmarkSettings(entries=entries)
+    # The compiled entry alone gives τ too, but the K sweep needs the eager loop.
+    alone = (reports.COMPILED_SPEC,)
+    assert BenchmarkSettings(entries=alone, k_values=(), adaptive=False).entries == alone
+    with pytest.raises(ValueError, match="K sweep runs through spec_generate"):
+        BenchmarkSettings(entries=alone)
+
+
+def test_compiled_speculative_entry_is_compiled_in_the_warm_up_and_matches_spec_generate():
+    """`spec_generate_compiled` (spec_generate(compile=True), one cache length for the run): every measured call reuses
+    what the warm-up compiled (no compile seconds in any record, though the prompts differ in length), greedy outputs
+    are the target's, and at T=0 and T=1 it sees spec_generate's τ (compiled == eager, draw for draw)."""
+    target, methods = perfect_methods()
+    methods = {"xpress": methods["xpress"], "dflash": methods["dflash"]}
+    settings = BenchmarkSettings(max_new_tokens=MAX_NEW, temperatures=(0.0, 1.0), k_values=(), adaptive=False,
+                                 latency_blocks=1, latency_repeats=1, compiled_plain=False,
+                                 entries=("spec_generate", reports.COMPILED_SPEC))  # fmt: skip
+    results = run_benchmark(target, methods, {"a": [[5, 9], [1, 2, 3]], "b": [[7]]}, settings, progress=False)
+    assert set(results["warm_up"]["spec_compiled_compile_s"]) == set(methods)
+    compiled = [r for r in results["records"] if r["entry"] == reports.COMPILED_SPEC]
+    assert len(compiled) == 2 * 2 * 3 and all(r["stats"]["time_compile"] == 0 for r in compiled)
+    summary = results["summary"]
+    for method in methods:
+        for temperature in (0.0, 1.0):
+            (spec,) = rows(summary, "throughput", method=method, entry="spec_generate", dataset=reports.ALL,
+                           temperature=temperature)  # fmt: skip
+            (comp,) = rows(summary, "throughput", method=method, entry=reports.COMPILED_SPEC, dataset=reports.ALL,
+                           temperature=temperature)  # fmt: skip
+            assert comp["tau"] == spec["tau"] and comp["prompts"] == 3
+    identity = rows(summary, "identity", entry=reports.COMPILED_SPEC, dataset=reports.ALL)
+    assert len(identity) == 2 and all(r["identical"] == r["prompts"] == 3 for r in identity)
+    (card,) = [r for r in reports.card_rows(summary) if r["method"] == "xpress" and r["dataset"] == reports.ALL
+               and r["temperature"] == 0.0]  # fmt: skip
+    (comp,) = rows(summary, "throughput", method="xpress", entry=reports.COMPILED_SPEC, dataset=reports.ALL,
+                   temperature=0.0)  # fmt: skip
+    assert card["speedup_spec_generate_compiled"] == comp["speedup"]
+
+
+def test_max_cache_len_is_checked():
+    target, methods = perfect_methods()
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="max_cache_len sizes the static caches of compile=True"):
+        methods["xpress"].spec_generate(target, ids, max_new_tokens=4, max_cache_len=64)
+    with pytest.raises(ValueError, match="cannot hold this call"):
+        methods["xpress"].spec_generate(target, ids, max_new_tokens=40, compile=True, max_cache_len=32)
 
 
 def test_speed_rows_and_breakdown_are_complete(random_run):
     results, _, methods = random_run
     summary = results["summary"]
     for method in methods:
-        for entry in reports.ENTRIES:
+        for entry in reports.DEFAULT_ENTRIES:
             for temperature in (0.0, 1.0):
                 (row,) = rows(summary, "throughput", method=method, entry=entry, dataset=reports.ALL,
                               temperature=temperature)  # fmt: skip
