@@ -35,6 +35,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from .configuration_xpress import is_integer
 from .generation import (
     SectionTimer,
     XPressGenerateOutput,
@@ -348,12 +349,24 @@ def compiled_spec_generate(
     stop: torch.Tensor,
     generator: torch.Generator | None,
     draft_rule,
+    max_cache_len: int | None = None,
 ) -> XPressGenerateOutput:
     """`spec_generate`'s loop on a `CompiledDecoder`: prefill → draft → refine → verify → accept, fixed shapes.
 
-    Arguments are checked by `spec_generate`, which dispatches here for `compile=True`.
+    Arguments are checked by `spec_generate`, which dispatches here for `compile=True`. `max_cache_len`: the caches'
+    length (default: this call's bucket, `cache_length`).
     """
-    cache_len = cache_length(input_ids.shape[1], max_new_tokens, xpress.config.block_size)
+    block = xpress.config.block_size
+    cache_len = cache_length(input_ids.shape[1], max_new_tokens, block)
+    if max_cache_len is not None:
+        needed = input_ids.shape[1] + max_new_tokens + 2 * block
+        if not is_integer(max_cache_len) or max_cache_len < needed:
+            raise ValueError(
+                f"max_cache_len={max_cache_len!r} cannot hold this call: the prompt ({input_ids.shape[1]} tokens), "
+                f"max_new_tokens ({max_new_tokens}) and two blocks of {block} need at least {needed} slots. Pass a "
+                "larger max_cache_len (one that fits your longest prompt), or leave it unset to size the caches per call."
+            )
+        cache_len = int(max_cache_len)
     # Every compiled decoder's calls share code objects; dynamo keeps one entry per decoder, so allow more than its
     # default 8, and fail loudly rather than fall back to eager if even that is exceeded.
     with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):

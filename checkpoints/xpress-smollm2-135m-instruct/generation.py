@@ -680,6 +680,7 @@ def spec_generate(
     assistant_confidence_threshold: float | None = None,
     num_assistant_tokens: int | None = None,
     compile: bool = False,
+    max_cache_len: int | None = None,
 ) -> XPressGenerateOutput:
     """xPress speculative decoding without `generate`: prefill, then draft → refine → verify → accept → crop.
 
@@ -692,7 +693,10 @@ def spec_generate(
     `draft_confidence_threshold` / `num_assistant_tokens`) set how many drafts of each block are verified
     (`draft_length`). `compile=True` runs the same loop with static caches and fixed shapes under `torch.compile`
     (CUDA graphs on a GPU; see `compiled.py`): same results, the first call per (target, drafter, length bucket)
-    compiles (`stats.time_compile`); greedy and temperature/top-k/top-p sampling only. Returns `.sequences` (prompt
+    compiles (`stats.time_compile`); greedy and temperature/top-k/top-p sampling only. `max_cache_len` (compile=True
+    only) fixes the static caches' length instead of the bucket of this call, so calls with prompts of any length up
+    to it share one compiled state, as `generate(cache_implementation="static", max_cache_len=...)` does for plain
+    decoding; it must hold the prompt, `max_new_tokens` and two blocks. Returns `.sequences` (prompt
     included) and `.stats`; the stats are also left at `xpress.generation_stats`.
     """
     check_assistant_call(target, xpress, input_ids)
@@ -709,13 +713,18 @@ def spec_generate(
     stop = stop_token_tensor(stop_token_ids, input_ids.device)
     if not isinstance(compile, bool):
         raise ValueError(f"compile must be True or False, got {compile!r}")
+    if max_cache_len is not None and not compile:
+        raise ValueError(
+            "max_cache_len sizes the static caches of compile=True; the eager loop (compile=False) grows a dynamic "
+            "cache as it goes. Pass compile=True, or drop max_cache_len."
+        )
     if compile:
         from .compiled import check_compilable, compiled_spec_generate
 
         check_compilable(xpress, target, repetition_penalty, no_repeat_ngram_size, logits_processor)
         return compiled_spec_generate(
             xpress, target, input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-            top_p=top_p, stop=stop, generator=generator, draft_rule=draft_rule,
+            top_p=top_p, stop=stop, generator=generator, draft_rule=draft_rule, max_cache_len=max_cache_len,
         )  # fmt: skip
     do_sample = temperature > 0
     processors = decoding_processors(temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size, logits_processor)
