@@ -26,20 +26,41 @@ class ComparisonRow:
     plain_seconds: float
     xpress_seconds: float
     text: str | None = None
+    # spec_generate(compile=True) on the same prompt, when measured: output identical to the target's, its τ, seconds
+    compiled_identical: bool | None = None
+    compiled_tau: float | None = None
+    compiled_seconds: float | None = None
+    compiled_new_tokens: int | None = None
 
     @property
     def speedup(self) -> float:
         return self.plain_seconds / self.xpress_seconds
 
+    @property
+    def compiled_speedup(self) -> float | None:
+        return None if self.compiled_seconds is None else self.plain_seconds / self.compiled_seconds
+
+
+@torch.inference_mode()
+def compile_cache_length(xpress, prompts: list[torch.Tensor], max_new_tokens: int) -> int:
+    """One static cache length for every prompt, so `spec_generate(compile=True)` compiles once for all of them."""
+    from .compiled import cache_length
+
+    return cache_length(max(int(p.shape[1]) for p in prompts), max_new_tokens, xpress.config.block_size)
+
 
 @torch.inference_mode()
 def compare_greedy(target, xpress, prompts: list[torch.Tensor], *, max_new_tokens: int = 64, tokenizer=None,
-                   warmup: bool = True) -> list[ComparisonRow]:  # fmt: skip
-    """Greedy-decode each prompt (1, T) with the target alone and with `assistant_model=xpress`, alternating the two
-    so machine noise hits both alike. Returns one row per prompt; the ratio of summed times is the speedup."""
+                   warmup: bool = True, compiled: bool = False) -> list[ComparisonRow]:  # fmt: skip
+    """Greedy-decode each prompt (1, T) with the target alone and with `assistant_model=xpress` (and, with `compiled`,
+    with `xpress.spec_generate(target, ..., compile=True)`, compiled during the warm-up), one after the other per
+    prompt so machine noise hits them alike. Returns one row per prompt; the ratio of summed times is the speedup."""
+    cache_len = compile_cache_length(xpress, prompts, max_new_tokens) if compiled and prompts else None
     if warmup and prompts:
         target.generate(prompts[0], max_new_tokens=4, do_sample=False)
         target.generate(prompts[0], max_new_tokens=4, do_sample=False, assistant_model=xpress)
+        if compiled:
+            xpress.spec_generate(target, prompts[0], max_new_tokens=4, compile=True, max_cache_len=cache_len)
     rows = []
     clock = WallClock(target.device)  # synchronises CUDA, so GPU times are real
     for ids in prompts:
@@ -48,18 +69,23 @@ def compare_greedy(target, xpress, prompts: list[torch.Tensor], *, max_new_token
         t1 = clock.now()
         fast = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=xpress)
         t2 = clock.now()
-        new = fast[0, ids.shape[1] :]
-        rows.append(
-            ComparisonRow(
-                prompt_tokens=ids.shape[1],
-                new_tokens=new.shape[0],
-                identical=torch.equal(plain, fast),
-                mean_tau=xpress.generation_stats.mean_tau,
-                plain_seconds=t1 - t0,
-                xpress_seconds=t2 - t1,
-                text=tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else None,
-            )
+        row = ComparisonRow(
+            prompt_tokens=ids.shape[1],
+            new_tokens=fast.shape[1] - ids.shape[1],
+            identical=torch.equal(plain, fast),
+            mean_tau=xpress.generation_stats.mean_tau,
+            plain_seconds=t1 - t0,
+            xpress_seconds=t2 - t1,
+            text=tokenizer.decode(fast[0, ids.shape[1] :], skip_special_tokens=True) if tokenizer is not None else None,
         )
+        if compiled:
+            t3 = clock.now()
+            out = xpress.spec_generate(target, ids, max_new_tokens=max_new_tokens, compile=True, max_cache_len=cache_len)
+            row.compiled_seconds = clock.now() - t3
+            row.compiled_identical = torch.equal(plain, out.sequences)
+            row.compiled_tau = out.stats.mean_tau
+            row.compiled_new_tokens = out.sequences.shape[1] - ids.shape[1]
+        rows.append(row)
     return rows
 
 
@@ -67,11 +93,22 @@ def summary(rows: list[ComparisonRow]) -> dict:
     plain = sum(r.plain_seconds for r in rows)
     fast = sum(r.xpress_seconds for r in rows)
     taus = [r.mean_tau for r in rows]
-    return {
+    tokens = sum(r.new_tokens for r in rows)
+    result = {
         "prompts": len(rows),
         "identical": sum(r.identical for r in rows),
         "mean_tau": sum(taus) / max(len(taus), 1),
         "speedup_vs_plain": plain / fast if fast else float("nan"),
-        "plain_tokens_per_s": sum(r.new_tokens for r in rows) / plain if plain else float("nan"),
-        "xpress_tokens_per_s": sum(r.new_tokens for r in rows) / fast if fast else float("nan"),
+        "plain_tokens_per_s": tokens / plain if plain else float("nan"),
+        "xpress_tokens_per_s": tokens / fast if fast else float("nan"),
     }
+    if rows and all(r.compiled_seconds is not None for r in rows):
+        compiled = sum(r.compiled_seconds for r in rows)
+        result.update(
+            compiled_identical=sum(r.compiled_identical for r in rows),
+            compiled_mean_tau=sum(r.compiled_tau for r in rows) / len(rows),
+            # tokens/s of each decoder over its own tokens (fp32 greedy: the same tokens; bf16 near-ties may differ)
+            compiled_speedup_vs_plain=(sum(r.compiled_new_tokens for r in rows) / compiled) / (tokens / plain),
+            compiled_tokens_per_s=sum(r.compiled_new_tokens for r in rows) / compiled,
+        )
+    return result

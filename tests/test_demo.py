@@ -1,0 +1,43 @@
+"""`make demo`'s measurement (`modeling_xpress.demo`): the three decoders it compares give the target's greedy output,
+and the summary reports what the rows hold."""
+
+import pytest
+import torch
+
+from modeling_xpress.demo import compare_greedy, summary
+from modeling_xpress.synthetic import constructed_permutation_pair
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_compare_greedy_with_the_compiled_decoder_is_exact_and_summarised():
+    torch.manual_seed(0)
+    target, xpress = constructed_permutation_pair()
+    prompts = [torch.randint(0, target.config.vocab_size, (1, n)) for n in (3, 6, 11)]  # lengths differ: one cache
+    rows = compare_greedy(target, xpress, prompts, max_new_tokens=40, compiled=True)
+    assert len(rows) == 3
+    for row in rows:
+        assert row.identical and row.compiled_identical
+        assert row.new_tokens == row.compiled_new_tokens == 40
+        assert row.compiled_tau == pytest.approx(row.mean_tau)  # one loop, two entry points
+        assert row.compiled_tau > 4  # the constructed head knows the target: long blocks are accepted
+        assert row.compiled_seconds > 0 and row.compiled_speedup == pytest.approx(row.plain_seconds / row.compiled_seconds)
+    s = summary(rows)
+    assert s["identical"] == s["compiled_identical"] == 3
+    assert s["compiled_tokens_per_s"] == pytest.approx(120 / sum(r.compiled_seconds for r in rows))
+    assert s["compiled_speedup_vs_plain"] == pytest.approx(sum(r.plain_seconds for r in rows)
+                                                           / sum(r.compiled_seconds for r in rows))
+
+
+def test_compare_greedy_without_the_compiled_decoder_reports_no_compiled_figures():
+    torch.manual_seed(0)
+    target, xpress = constructed_permutation_pair()
+    rows = compare_greedy(target, xpress, [torch.randint(0, target.config.vocab_size, (1, 4))], max_new_tokens=16)
+    assert rows[0].identical and rows[0].compiled_seconds is None and rows[0].compiled_speedup is None
+    assert "compiled_speedup_vs_plain" not in summary(rows)
