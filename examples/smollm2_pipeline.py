@@ -21,6 +21,12 @@ Recipes (each flag can still be set by hand after `--recipe`):
   `--drafter-steps 400 --head-steps 150 --anchors 8 --threads 1` was the pilot). One difference from that run: its
   drafter had QK-norm, while a SmolLM2 drafter built now has none (`XPressConfig.from_target_config` follows the Llama
   target, `qk_norm=False`).
+* `v4` — the v3 drafter trained 3,000 more steps (`--continue-from`, a fresh cosine schedule from 3e-4; the v3 run
+  ended only because its schedule reached 0, still gaining), then the Markov and xPress heads on it, frozen, as in
+  `v3-heads`.
+* `v3-heads` — the Markov and xPress heads trained alone (`--train_mode refiner`) on the committed v3 drafter, frozen,
+  1,500 steps each at 1e-3: the v3 head stages restarted the co-trained drafter's learning rate at 6e-4 and ended
+  below the drafter they started from, so the heads could not be compared with the drafter itself.
 * `v3` — all regenerated sets (prompts 0..7599 minus the held-out 7000..7199), a drafter starting from the target's
   last two layers, a 4096-token draft vocabulary, the target's signals cached once (`--signal-cache`) and shared by
   every stage, evaluated every `--eval-steps` on 100 held-out rows and stopped when `eval_tau_estimate` has not improved
@@ -106,6 +112,16 @@ RECIPES = {
            "drafter_init": "target", "draft_vocab_size": 4096, "signal_cache": "cache/signals-smollm2-v3",
            "eval_held_out": 100, "drafter_steps": 6000, "head_steps": 600, "threads": 1, "save_steps": 250,
            "snapshots": "checkpoints/training/smollm2-v3"},
+    "v3-heads": {"data": "data/smollm2_responses,data/smollm2_responses_2400-7200,data/smollm2_responses_7200-7600",
+                 "signal_cache": "cache/signals-smollm2-v3", "eval_held_out": 100, "head_steps": 1500,
+                 "save_steps": 250, "stages": ["markov", "xpress"], "head_train_mode": "refiner",
+                 "head_learning_rate": 1e-3, "drafter_from": "checkpoints/training/smollm2-v3/drafter",
+                 "snapshots": "checkpoints/training/smollm2-v3-heads"},
+    "v4": {"data": "data/smollm2_responses,data/smollm2_responses_2400-7200,data/smollm2_responses_7200-7600",
+           "continue_from": "checkpoints/training/smollm2-v3/drafter", "signal_cache": "cache/signals-smollm2-v3",
+           "eval_held_out": 100, "drafter_steps": 3000, "learning_rate": 3e-4, "head_steps": 1500,
+           "save_steps": 250, "stages": ["drafter", "markov", "xpress"], "head_train_mode": "refiner",
+           "head_learning_rate": 1e-3, "snapshots": "checkpoints/training/smollm2-v4"},
 }  # fmt: skip
 
 
@@ -119,7 +135,8 @@ def run_stage(name: str, args: argparse.Namespace, extra: list[str], summary: di
         sys.executable, "examples/train_refiner.py", "--target", str(smollm2_dir()), "--target_dtype", "bfloat16",
         "--data", args.data, "--output_dir", str(out), "--threads", str(args.threads), "--bf16",
         "--per_device_train_batch_size", str(args.batch_size), "--anchors_per_sequence", str(args.anchors),
-        "--max_seq_length", str(args.max_seq_length), "--learning_rate", str(args.learning_rate),
+        "--max_seq_length", str(args.max_seq_length),
+        "--learning_rate", str(args.learning_rate if name == "drafter" else args.head_learning_rate),
         "--lr_scheduler_type", "cosine", "--logging_steps", "5", "--save_steps", str(args.save_steps),
         "--save_total_limit", "2", "--report_to", "none", "--seed", str(args.seed), *extra,
     ]  # fmt: skip
@@ -163,6 +180,13 @@ def main() -> None:
                         "from <snapshots>/<stage>")
     parser.add_argument("--write-snapshots", action="store_true",
                         help="write each stage's newest checkpoint to --snapshots (no optimizer state) and exit")
+    parser.add_argument("--continue-from", help="drafter stage: continue training this drafter (a new learning-rate "
+                        "schedule) instead of building a fresh one")
+    parser.add_argument("--drafter-from", help="head stages: start from this drafter instead of <out>/drafter")
+    parser.add_argument("--head-train-mode", choices=["full", "refiner"], default="full",
+                        help="head stages: co-train the drafter with the head (full) or train the head alone on the "
+                        "frozen drafter (refiner; then the no-head baseline is the drafter itself, no dflash stage)")
+    parser.add_argument("--head-learning-rate", type=float, help="head stages (default: --learning-rate)")
     parser.add_argument("--refiner-rank", type=int, default=64, help="rank of the Markov and xPress heads")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--anchors", type=int, default=32, help="blocks drawn per sequence")
@@ -173,11 +197,16 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", default=["drafter", *HEADS], choices=["drafter", *HEADS])
     parser.set_defaults(**{key: value for key, value in RECIPES[parser.parse_known_args()[0].recipe].items()})
     args = parser.parse_args()
+    if args.head_learning_rate is None:
+        args.head_learning_rate = args.learning_rate
+    if args.head_train_mode == "refiner" and "dflash" in args.stages:
+        parser.error("--head-train-mode refiner freezes the drafter, so the dflash stage would train nothing: its "
+                     "baseline is the drafter itself; leave dflash out of --stages")
 
     summary_path = Path(args.out) / "training_summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     summary["settings"] = vars(args)
-    drafter = Path(args.out) / "drafter"
+    drafter = Path(args.drafter_from) if args.drafter_from else Path(args.out) / "drafter"
     if args.write_snapshots:
         if not args.snapshots:
             parser.error("--write-snapshots needs --snapshots")
@@ -195,13 +224,18 @@ def main() -> None:
         if stage == "drafter":
             extra = ["--refiner", "none", "--block_size", "16", "--num_draft_layers", str(args.num_draft_layers),
                      "--max_steps", str(args.drafter_steps), "--warmup_steps", "20"]  # fmt: skip
-            if args.drafter_init == "target":
-                extra += ["--init_from_target_layers", "last"]
-            if args.draft_vocab_size:
-                extra += ["--draft_vocab_size", str(args.draft_vocab_size)]
+            if args.continue_from:  # its architecture and draft vocabulary come with it
+                extra = ["--refiner", "none", "--init_from", args.continue_from, "--max_steps",
+                         str(args.drafter_steps), "--warmup_steps", "20"]  # fmt: skip
+            else:
+                if args.drafter_init == "target":
+                    extra += ["--init_from_target_layers", "last"]
+                if args.draft_vocab_size:
+                    extra += ["--draft_vocab_size", str(args.draft_vocab_size)]
         else:
             extra = ["--init_from", str(drafter), "--refiner", REFINER_OF[stage], "--refiner_rank",
-                     str(args.refiner_rank), "--max_steps", str(args.head_steps), "--warmup_steps", "10"]  # fmt: skip
+                     str(args.refiner_rank), "--max_steps", str(args.head_steps), "--warmup_steps", "10",
+                     "--train_mode", args.head_train_mode]  # fmt: skip
         run_stage(stage, args, extra, summary)
         summary_path.parent.mkdir(parents=True, exist_ok=True)
         summary_path.write_text(json.dumps(summary, indent=2, default=str))
