@@ -1,0 +1,157 @@
+"""Why the realised greedy τ sits below the training's τ estimate: per-anchor acceptance on held-out rows.
+
+The training logs `tau_estimate` = 1 + Σ_k Π_{j≤k} (1 − TV_j) averaged over anchors drawn uniformly from the
+responses (temperature 1, teacher forced). Decoding measures tokens per verification step. Three things separate
+them, and this script puts a number on each, from a held-out signal cache (the target's own greedy responses to
+prompts never trained on, with its features and top-k distributions):
+
+1. the metric: T=1 acceptance (1 − TV) vs greedy acceptance (the drafter's argmax equals the target's);
+2. where the blocks start: every position of a response vs only its first `--positions` tokens;
+3. how the blocks are chained: the uniform average over anchors vs the renewal average decoding actually realises
+   (each block starts where the previous one stopped, so a position where the drafter fails starts a block and a long
+   accepted run is counted once: tokens / steps is a harmonic mean of the per-position τ, not an arithmetic one).
+
+Greedy decoding of the target reproduces the held-out responses (they are its greedy outputs), so the chained greedy
+figure is what `spec_generate` would measure on those rows, up to bf16 near-ties and the draft-length cut.
+
+    python examples/acceptance_diagnostic.py --checkpoint checkpoints/training/smollm2-v3/drafter \
+        --cache cache/signals-smollm2-v3-held-out --out benchmarks/results/acceptance-diagnostic-v3-drafter.json
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from modeling_xpress import XPressModel
+from modeling_xpress.assets import load_smollm2
+from modeling_xpress.signal_cache import load_signal_cache
+from modeling_xpress.training import draft_blocks
+
+
+def chained(tau: list[float], start: int = 0) -> tuple[int, int]:
+    """Walk a response as decoding does: a block at position t yields tau[t] tokens, the next block starts after them.
+    Returns (tokens, steps)."""
+    t, tokens, steps = start, 0, 0
+    while t < len(tau):
+        step = int(round(tau[t]))
+        tokens, steps, t = tokens + step, steps + 1, t + step
+    return tokens, steps
+
+
+@torch.no_grad()
+def row_acceptance(xpress, target, row, chunk: int = 64) -> dict[str, torch.Tensor]:
+    """Per response anchor t (the last token before the block): T=1 acceptance (1 − TV, from the stored top-k, a
+    lower bound) and greedy match for every block position. Returns (A, n) tensors and the anchors' offsets."""
+    ids = torch.tensor(row["input_ids"], dtype=torch.long)
+    mask = torch.tensor(row["loss_mask"], dtype=torch.bool)
+    full = ids.shape[0]
+    features = torch.tensor(row["features"])
+    if features.dtype == torch.int16:
+        features = features.view(torch.bfloat16)
+    features = features.view(full, -1)
+    topk_ids = torch.tensor(row["topk_ids"], dtype=torch.long).view(full, -1)
+    topk_probs = torch.tensor(row["topk_probs"]).view(full, -1)
+    n = xpress.config.block_size - 1
+    response = mask.nonzero().flatten()
+    first = int(response[0])
+    anchors = [t for t in range(first, full - 1) if mask[t + 1]]  # as in training and decoding: t in the response
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    greedy, soft = [], []
+    for lo in range(0, len(anchors), chunk):
+        a = torch.tensor(anchors[lo : lo + chunk])
+        hidden = draft_blocks(xpress, embed, features[None], a[None], ids[a][None])[0]  # (m, B, H)
+        logits = xpress.base_logits(hidden.to(lm_head.weight.dtype), lm_head).float()  # (m, n, V)
+        q = logits.softmax(-1)
+        pos = (a[:, None] + torch.arange(n)).clamp(max=full - 1)  # distribution of block position k lives at t+k
+        valid = (a[:, None] + 1 + torch.arange(n)) < full
+        valid &= mask[(a[:, None] + 1 + torch.arange(n)).clamp(max=full - 1)]
+        p_ids, p_probs = topk_ids[pos], topk_probs[pos]  # (m, n, k)
+        # 1 − TV ≥ Σ_{top-k} min(p, q): exact on the held entries, the tail counted as disjoint.
+        overlap = torch.minimum(p_probs, torch.gather(q, -1, p_ids)).sum(-1)
+        match = logits.argmax(-1) == p_ids[..., 0]
+        soft.append(overlap * valid)
+        greedy.append((match & valid).float())
+    return {
+        "offsets": torch.tensor(anchors) - first,
+        "soft": torch.cat(soft),
+        "greedy": torch.cat(greedy),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--cache", required=True, help="a held-out signal cache (train_refiner --eval_held_out)")
+    parser.add_argument("--rows", type=int, default=100)
+    parser.add_argument("--positions", type=int, default=96, help="the decoded prefix compared with the whole response")
+    parser.add_argument("--realized", type=int, default=0,
+                        help="also decode the first N rows' prompts with spec_generate (greedy, as many new tokens as "
+                        "the stored response) and compare the measured τ with the chained estimate of those rows")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, _ = load_smollm2(torch.float32)
+    xpress = XPressModel.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
+    rows = load_signal_cache(args.cache)
+    per = {"uniform_soft": [], "uniform_greedy": [], "uniform_soft_prefix": [], "uniform_greedy_prefix": []}
+    tokens = steps = tokens_prefix = steps_prefix = 0
+    realized = {"chained_tokens": 0, "chained_steps": 0, "tokens": 0, "steps": 0, "identical_rows": 0}
+    for i in range(min(args.rows, len(rows))):
+        acc = row_acceptance(xpress, target, rows[i])
+        tau_soft = 1 + acc["soft"].cumprod(-1).sum(-1)
+        tau_greedy = 1 + acc["greedy"].cumprod(-1).sum(-1)
+        prefix = acc["offsets"] < args.positions
+        per["uniform_soft"] += tau_soft.tolist()
+        per["uniform_greedy"] += tau_greedy.tolist()
+        per["uniform_soft_prefix"] += tau_soft[prefix].tolist()
+        per["uniform_greedy_prefix"] += tau_greedy[prefix].tolist()
+        t, s = chained(tau_greedy.tolist())
+        tokens, steps = tokens + t, steps + s
+        t, s = chained(tau_greedy[prefix].tolist())
+        tokens_prefix, steps_prefix = tokens_prefix + t, steps_prefix + s
+        print(f"row {i}: {len(tau_greedy)} anchors, uniform greedy τ {tau_greedy.mean():.2f}, chained {t / s:.2f}")
+        if i < args.realized:
+            t, s = chained(tau_greedy.tolist())
+            ids = torch.as_tensor(rows[i]["input_ids"])
+            first = int(torch.as_tensor(rows[i]["loss_mask"]).bool().nonzero()[0])
+            out = xpress.spec_generate(target, ids[None, :first], max_new_tokens=len(ids) - first)
+            lengths = out.stats.acceptance_lengths
+            realized["chained_tokens"] += t
+            realized["chained_steps"] += s
+            realized["tokens"] += sum(lengths)
+            realized["steps"] += len(lengths)
+            realized["identical_rows"] += int(torch.equal(out.sequences[0, : len(ids)], ids))
+            print(f"  decoded: τ {sum(lengths) / max(len(lengths), 1):.2f} over {len(lengths)} steps")
+    mean = {k: sum(v) / len(v) for k, v in per.items()}
+    harmonic = len(per["uniform_greedy"]) / sum(1 / x for x in per["uniform_greedy"])
+    result = {
+        "checkpoint": args.checkpoint,
+        "cache": args.cache,
+        "rows": min(args.rows, len(rows)),
+        "anchors": len(per["uniform_soft"]),
+        "prefix_positions": args.positions,
+        "tau_T1_uniform_all": mean["uniform_soft"],
+        "tau_T1_uniform_prefix": mean["uniform_soft_prefix"],
+        "tau_greedy_uniform_all": mean["uniform_greedy"],
+        "tau_greedy_uniform_prefix": mean["uniform_greedy_prefix"],
+        "tau_greedy_harmonic_all": harmonic,
+        "tau_greedy_chained_all": tokens / steps,
+        "tau_greedy_chained_prefix": tokens_prefix / steps_prefix,
+    }
+    if args.realized:
+        result["realized"] = {
+            "rows": min(args.realized, result["rows"]),
+            "tau_chained_estimate": realized["chained_tokens"] / realized["chained_steps"],
+            "tau_decoded": realized["tokens"] / max(realized["steps"], 1),
+            "rows_reproducing_the_stored_response": realized["identical_rows"],
+        }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
