@@ -755,3 +755,40 @@ def test_pipeline_snapshots_the_newest_checkpoint_and_keeps_the_best_one_loadabl
     expected = XPressModel.from_pretrained(tmp_path / "runs" / "drafter" / "checkpoint-2").state_dict()
     assert all(torch.equal(best[k], v) for k, v in expected.items())
     assert pipeline.snapshot_stage("markov", options) is None  # a stage that has not started
+
+
+def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_path, monkeypatch):
+    """smollm2_pipeline recipes v3-heads / v4: the head stages train the head alone (--train_mode refiner) from the
+    given drafter at the head learning rate; v4's drafter stage continues a trained drafter; a frozen-drafter run
+    refuses the dflash stage (it would train nothing)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("smollm2_pipeline", ROOT / "examples" / "smollm2_pipeline.py")
+    pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipeline)
+    commands = []
+    monkeypatch.setattr(pipeline, "smollm2_dir", lambda: "TARGET")
+    monkeypatch.setattr(pipeline.subprocess, "run", lambda command, check: commands.append(command))
+
+    def flag(command, name):
+        return command[command.index(name) + 1]
+
+    monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v3-heads", "--out", str(tmp_path / "heads")])
+    pipeline.main()
+    assert [flag(c, "--refiner") for c in commands] == ["markov", "xpress"]
+    for command in commands:
+        assert flag(command, "--train_mode") == "refiner" and flag(command, "--learning_rate") == "0.001"
+        assert flag(command, "--init_from") == "checkpoints/training/smollm2-v3/drafter"
+
+    commands.clear()
+    monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v4", "--out", str(tmp_path / "v4")])
+    pipeline.main()
+    drafter, *heads = commands
+    assert flag(drafter, "--init_from") == "checkpoints/training/smollm2-v3/drafter"
+    assert flag(drafter, "--learning_rate") == "0.0003" and "--init_from_target_layers" not in drafter
+    assert [flag(c, "--init_from") for c in heads] == [str(tmp_path / "v4" / "drafter")] * 2
+
+    monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v3-heads", "--stages", "dflash", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        pipeline.main()
