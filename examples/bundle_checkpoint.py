@@ -1,7 +1,9 @@
 """Bundle a trained xPress folder as the repository's Hub-style checkpoint, with a model card made from evaluation.
 
-    python examples/bundle_checkpoint.py --checkpoint runs/v2/xpress \\
-        --results benchmarks/results/<run>.json --training-summary runs/v2/training_summary.json \\
+    python examples/bundle_checkpoint.py --checkpoint checkpoints/training/smollm2-v3-heads/xpress \\
+        --results benchmarks/results/smollm2-v3-eval-T0.json benchmarks/results/smollm2-v3-eval-T1.json \\
+        --training-summary checkpoints/training/smollm2-v3/training_summary.json:drafter \\
+                           checkpoints/training/smollm2-v3-heads/training_summary.json:markov,xpress \\
         --out checkpoints/xpress-smollm2-135m-instruct
 
 The weights are saved in `--dtype` (bfloat16 keeps the folder small; `from_pretrained(..., dtype=torch.float32)`
@@ -25,56 +27,91 @@ TARGET_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SIZE_LIMIT_MB = 50
 
 
+def merge_results(runs: list[dict]) -> dict:
+    """Evaluation runs of the same prompts (e.g. one per temperature, each with its own baselines) as one results
+    dict: records joined, temperatures listed in run order; everything else from the first run."""
+    first = runs[0]
+    for run in runs[1:]:
+        same_tokens = run["settings"]["max_new_tokens"] == first["settings"]["max_new_tokens"]
+        if run["datasets"] != first["datasets"] or not same_tokens:
+            raise SystemExit("the --results runs must share prompts and max_new_tokens; they differ")
+        if set(run["settings"]["temperatures"]) & set(first["settings"]["temperatures"]):
+            raise SystemExit("two --results runs measured the same temperature; pass each temperature once")
+    merged = dict(first)
+    merged["records"] = [r for run in runs for r in run["records"]]
+    merged["settings"] = {
+        **first["settings"],
+        "temperatures": [t for run in runs for t in run["settings"]["temperatures"]],
+        "entries": list(dict.fromkeys(e for run in runs for e in run["settings"].get("entries", []))),
+    }
+    merged["runs"] = [run.get("run_name") for run in runs]
+    return merged
+
+
 def evaluation_summary(results: dict) -> str:
     s, env = results["settings"], results["environment"]
     prompts = ", ".join(f"{name} {len(d['prompt_ids'])}" for name, d in results["datasets"].items())
+    entries = ", ".join(f"`{e}`" for e in s.get("entries", ["generate", "spec_generate"]))
+    compiled = "" if not s.get("compiled_plain") else (
+        " and (`_vs_compiled`) against plain `generate` with a static cache and `torch.compile`, the fastest plain "
+        "decoding on this machine"
+    )  # fmt: skip
     return (
         f"Measured on CPU ({env.get('cpu') or env.get('platform')}, {env.get('torch_threads')} torch threads, "
         f"target in {env.get('target_dtype')}) with `examples/benchmark.py`: prompts {prompts} (first N of each "
-        f"set), at most {s['max_new_tokens']} new tokens, temperatures {s['temperatures']}. τ is tokens committed "
-        "per target forward (bonus included); the speed ratios are new tokens per second against plain "
-        "`target.generate` on the same prompts in the same run. `dflash` rows are the drafter alone (no head), "
-        "`markov` the Markov head, `xpress` this checkpoint; all three continue one drafter with equal budgets. "
-        "Small-sample CPU figures: read them as what this 135M pair does on this machine, not as the paper's."
+        f"set), at most {s['max_new_tokens']} new tokens, temperatures {s['temperatures']}, entries {entries} "
+        "(`spec_generate_compiled` is `spec_generate(compile=True)`). τ is tokens committed per target forward "
+        "(bonus included); the speed ratios are new tokens per second against eager plain `target.generate`"
+        f"{compiled}, on the same prompts in the same run. `dflash` rows are the drafter alone (no head), `markov` "
+        "the Markov head, `xpress` this checkpoint: the two heads were trained on that same drafter, frozen, with "
+        "equal budgets. Small-sample CPU figures: read them as what this 135M pair does on this machine, not as the "
+        "paper's."
     )
 
 
-def training_text(summary: dict) -> str:
-    lines = ["Trained on CPU with `examples/smollm2_pipeline.py` (2,400 generated prompts, none from the evaluation "
-             "sets; responses written by the target itself, greedy).", ""]  # fmt: skip
-    lines += ["Losses are each stage's own objective (a head stage adds its refined and consistency terms, so they are "
-              "not comparable across stages); the τ estimate is the training batches' T=1 estimate.", ""]
-    lines += ["| stage | steps | wall time (min) | final logged loss | τ estimate |", "|---|---|---|---|---|"]
-    for stage in ("drafter", "dflash", "markov", "xpress"):
-        info = summary.get(stage)
-        if not info:
-            continue
-        log = info.get("last_log") or {}
-        wall = info.get("wall_seconds_this_run")
-        minutes = "–" if wall is None else f"{wall / 60:.1f}"
-        lines.append(f"| {stage} | {info.get('global_step', '–')} | {minutes} | {log.get('loss', float('nan')):.3f} "
-                     f"| {log.get('tau_estimate', float('nan')):.3f} |")  # fmt: skip
-    settings = summary.get("settings", {})
-    if settings:
-        keep = ("drafter_steps", "head_steps", "num_draft_layers", "refiner_rank", "batch_size", "anchors",
-                "max_seq_length", "learning_rate", "threads", "seed")  # fmt: skip
-        lines += ["", "Settings: " + ", ".join(f"`{k}={settings[k]}`" for k in keep if k in settings) + "."]
+def training_text(stages: dict) -> str:
+    """`stages`: stage name → that stage's entry of a pipeline `training_summary.json` (command, steps, logs)."""
+    lines = ["Trained on CPU with `examples/smollm2_pipeline.py` on responses written by the target itself (greedy) to "
+             "generated prompts (`modeling_xpress.prompts.training_prompts`), none from the evaluation sets; prompts "
+             "7000..7199 are held out and 100 of them scored every 250 steps (the τ estimate: T=1, teacher forced, "
+             "blocks anchored uniformly in the responses).", ""]  # fmt: skip
+    lines += ["| stage | steps | train time (min) | held-out τ estimate (best) | command |", "|---|---|---|---|---|"]
+    for stage, info in stages.items():
+        seconds = info.get("train_seconds") or info.get("wall_seconds_this_run")
+        minutes = "–" if seconds is None else f"{seconds / 60:.1f}"
+        best = info.get("best_metric")
+        flags = [a for a in info.get("command", []) if a.startswith("--")]
+        shown = ("--init_from", "--init_from_target_layers", "--refiner", "--train_mode", "--max_steps",
+                 "--learning_rate", "--draft_vocab_size", "--num_draft_layers", "--refiner_rank")  # fmt: skip
+        command = info.get("command", [])
+        args = " ".join(f"{a} {command[command.index(a) + 1]}" for a in shown if a in flags)
+        lines.append(f"| {stage} | {info.get('global_step', '–')} | {minutes} | "
+                     f"{'–' if best is None else f'{best:.3f}'} | `{args}` |")  # fmt: skip
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="trained xPress folder (refiner='xpress')")
-    parser.add_argument("--results", required=True, help="evaluation JSON written by examples/benchmark.py")
-    parser.add_argument("--training-summary", required=True, help="training_summary.json of the pipeline")
+    parser.add_argument("--results", required=True, nargs="+",
+                        help="evaluation JSON(s) written by examples/benchmark.py (several: one per temperature)")
+    parser.add_argument("--training-summary", required=True, nargs="+", metavar="JSON[:STAGE,...]",
+                        help="training_summary.json of the pipeline, optionally restricted to some stages, e.g. "
+                        "runs/v3/training_summary.json:drafter runs/v3-heads/training_summary.json:markov,xpress")
     parser.add_argument("--out", default="checkpoints/xpress-smollm2-135m-instruct")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--repo-id", default="xpress/xpress-smollm2-135m-instruct", help="name shown in the card")
     args = parser.parse_args()
 
     model = XPressModel.from_pretrained(args.checkpoint, dtype=DTYPES[args.dtype])
-    results = json.loads(Path(args.results).read_text())
-    summary = json.loads(Path(args.training_summary).read_text())
+    model.config.target_model_name = TARGET_REPO  # training saw a local folder; the card and config name the Hub repo
+    results = merge_results([json.loads(Path(path).read_text()) for path in args.results])
+    stages = {}
+    for spec in args.training_summary:
+        path, _, keep = spec.partition(":")
+        summary = json.loads(Path(path).read_text())
+        for stage in keep.split(",") if keep else [k for k in summary if k != "settings"]:
+            stages[stage] = summary[stage]
     out = Path(args.out)
     model.save_pretrained(out)  # its custom_generate recipe finds the folder it runs from: nothing to rewrite
     order = {name: i for i, name in enumerate([*results["datasets"], "all"])}
@@ -84,7 +121,7 @@ def main() -> None:
         results=rows,
         repo_id=args.repo_id,
         target_model=TARGET_REPO,
-        training_summary=training_text(summary),
+        training_summary=training_text(stages),
         evaluation_summary=evaluation_summary(results),
     )
     card.save(out / "README.md")

@@ -72,8 +72,10 @@ def main() -> None:
         print(f"prompt {i}: {row.new_tokens} new tokens; generate(assistant_model=xpress): identical to the target's "
               f"greedy output {row.identical}, tau {row.mean_tau:.2f}, speed vs plain {row.speedup:.2f}x")  # fmt: skip
         if row.compiled_seconds is not None:
+            seconds = row.compiled_compile_seconds
+            recompiled = f" (it compiled for {seconds:.1f} s of it)" if seconds else ""
             print(f"          spec_generate(compile=True): identical {row.compiled_identical}, tau "
-                  f"{row.compiled_tau:.2f}, speed vs plain {row.compiled_speedup:.2f}x")  # fmt: skip
+                  f"{row.compiled_tau:.2f}, speed vs plain {row.compiled_speedup:.2f}x{recompiled}")  # fmt: skip
         print()
     s = summary(rows)
     setting = f"{torch.get_num_threads()} threads, {args.dtype if not args.constructed else 'float32'}"

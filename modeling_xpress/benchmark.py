@@ -435,7 +435,9 @@ def run_benchmark(
     longest = max(int(x.shape[1]) for s in sets.values() for x in s.input_ids)
     compiled = compiled_plain_kwargs(longest + settings.max_new_tokens) if settings.compiled_plain else None
     block = max(m.config.block_size for m in methods.values())
-    spec_cache_len = cache_length(longest, settings.max_new_tokens, block) if COMPILED_SPEC in settings.entries else None
+    spec_cache_len = None  # the compiled speculative entry's cache length, one for the whole run too
+    if COMPILED_SPEC in settings.entries:
+        spec_cache_len = cache_length(longest, settings.max_new_tokens, block)
     warm = warm_up(target, methods, first, compiled, spec_cache_len, settings.temperatures)
     all_prompts = [x for s in sets.values() for x in s.input_ids]
     latency = {}

@@ -26,7 +26,8 @@ def results_markdown(results: list[dict] | None) -> str:
     columns = list(dict.fromkeys(key for row in results for key in row))
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in results:
-        cells = [f"{row[c]:.3f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns]
+        cells = [f"{row[c]:.3f}" if isinstance(row.get(c), float) else "–" if row.get(c, "") is None
+                 else str(row.get(c, "")) for c in columns]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

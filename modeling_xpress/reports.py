@@ -142,8 +142,11 @@ def summarize(results: Mapping) -> dict:
     records = results["records"]
     main = [r for r in records if r["setting"] == CONFIG_SETTING]  # the checkpoints as saved
     plain = [r for r in records if r["entry"] in (PLAIN, COMPILED_PLAIN)]
-    # τ and the timers: from spec_generate, or from its compiled twin (same τ) when the run measured that one alone.
-    spec = [r for r in main if r["entry"] == "spec_generate"] or [r for r in main if r["entry"] == COMPILED_SPEC]
+    # τ and the timers: from spec_generate, or from its compiled twin (same τ) for a method and temperature measured
+    # through that one alone (a run with --entries spec_generate_compiled, or several runs joined).
+    eager = {(r["method"], r["temperature"]) for r in main if r["entry"] == "spec_generate"}
+    spec = [r for r in main if r["entry"] == "spec_generate"
+            or (r["entry"] == COMPILED_SPEC and (r["method"], r["temperature"]) not in eager)]  # fmt: skip
     sweep = [r for r in records if r["entry"] == "spec_generate" and r["setting"] not in (None, CONFIG_SETTING)]
     greedy = [r for r in records if r["identical_to_plain"] is not None]
     fields = ("method", "entry", "setting", "dataset")

@@ -402,3 +402,21 @@ def test_training_curves_plot(tmp_path):
     path = plot_training_curves({"drafter": history, "xpress": history[:2]}, tmp_path / "curves.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_training_curves({"drafter": [{"step": 1, "eval_loss": 1.0}]}, tmp_path / "none.png") is None
+
+
+def test_tau_of_a_temperature_measured_only_compiled_comes_from_the_compiled_entry():
+    """Two runs joined (as bundle_checkpoint does): T=0 through spec_generate and its compiled twin, T=1 through the
+    compiled entry alone. τ at T=0 stays spec_generate's; T=1 gets a τ row (and card row) from the compiled records."""
+    results = small_results()
+    t0 = results["records"]
+    compiled_stats = {**t0[3]["stats"], "acceptance_lengths": [5, 3], "mean_tau": 4.0}
+    twin = {**t0[3], "entry": reports.COMPILED_SPEC, "seconds": 0.4, "stats": compiled_stats}
+    t1 = [{**r, "temperature": 1.0, "identical_to_plain": None} for r in t0[:2]]
+    t1.append({**twin, "temperature": 1.0, "identical_to_plain": None, "stats": {**compiled_stats,
+               "acceptance_lengths": [2, 2]}})  # fmt: skip
+    results["records"] = t0 + [twin] + t1
+    summary = summarize(results)
+    taus = {r["temperature"]: r["tau"] for r in summary["tau"] if r["dataset"] == reports.ALL}
+    assert taus == {0.0: 3.0, 1.0: 2.0}
+    (card,) = [r for r in reports.card_rows(summary) if r["dataset"] == reports.ALL and r["temperature"] == 1.0]
+    assert card["speedup_spec_generate"] is None and card["speedup_spec_generate_compiled"] == pytest.approx(2.5)

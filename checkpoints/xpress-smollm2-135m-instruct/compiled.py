@@ -364,7 +364,8 @@ def compiled_spec_generate(
             raise ValueError(
                 f"max_cache_len={max_cache_len!r} cannot hold this call: the prompt ({input_ids.shape[1]} tokens), "
                 f"max_new_tokens ({max_new_tokens}) and two blocks of {block} need at least {needed} slots. Pass a "
-                "larger max_cache_len (one that fits your longest prompt), or leave it unset to size the caches per call."
+                "larger max_cache_len (one that fits your longest prompt), or leave it unset to size the caches per "
+                "call."
             )
         cache_len = int(max_cache_len)
     # Every compiled decoder's calls share code objects; dynamo keeps one entry per decoder, so allow more than its
