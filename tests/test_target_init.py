@@ -4,7 +4,6 @@ The core claim: a copied layer computes exactly what it computed in the target, 
 and the same causal mask — first asserted not to hold before copying, so the test cannot pass on a no-op.
 """
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from modeling_xpress import XPressConfig, XPressModel
 from modeling_xpress.target_init import context_slot, drafter_from_target, init_drafter_from_target
 from tests.builders import tiny_llama, tiny_qwen3
 
-BUNDLED = Path(__file__).resolve().parents[1] / "checkpoints" / "xpress-smollm2-135m-instruct"
 SEQ = 12
 
 
@@ -152,11 +150,18 @@ def test_a_drafter_without_qk_norm_has_no_such_tensors_and_round_trips(tmp_path)
         torch.testing.assert_close(loaded(embeds, hs[2][:, :5].repeat(1, 1, 2)).last_hidden_state, expected)
 
 
-def test_the_bundled_checkpoint_without_a_qk_norm_field_still_builds_a_qk_norm_drafter():
+def test_a_checkpoint_saved_before_the_qk_norm_field_still_builds_a_qk_norm_drafter(tmp_path):
+    """Folders saved before `qk_norm` existed (the first bundled checkpoint was one) have no such field and a drafter
+    with QK-norm: they load as that, every tensor used."""
     import json
 
-    assert "qk_norm" not in json.loads((BUNDLED / "config.json").read_text())
-    model, info = XPressModel.from_pretrained(BUNDLED, output_loading_info=True)
+    saved = fresh_drafter(tiny_qwen3())
+    assert saved.config.qk_norm is True
+    saved.save_pretrained(tmp_path / "old")
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    del config["qk_norm"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    model, info = XPressModel.from_pretrained(tmp_path / "old", output_loading_info=True)
     assert model.config.qk_norm is True and not any(info.values())  # every tensor loaded, none left over
     assert "layers.0.self_attn.q_norm.weight" in model.state_dict()
 
