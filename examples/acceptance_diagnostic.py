@@ -108,19 +108,19 @@ def main():
         per["uniform_greedy"] += tau_greedy.tolist()
         per["uniform_soft_prefix"] += tau_soft[prefix].tolist()
         per["uniform_greedy_prefix"] += tau_greedy[prefix].tolist()
-        t, s = chained(tau_greedy.tolist())
-        tokens, steps = tokens + t, steps + s
+        row_tokens, row_steps = chained(tau_greedy.tolist())
+        tokens, steps = tokens + row_tokens, steps + row_steps
         t, s = chained(tau_greedy[prefix].tolist())
         tokens_prefix, steps_prefix = tokens_prefix + t, steps_prefix + s
-        print(f"row {i}: {len(tau_greedy)} anchors, uniform greedy τ {tau_greedy.mean():.2f}, chained {t / s:.2f}")
+        print(f"row {i}: {len(tau_greedy)} anchors, uniform greedy τ {tau_greedy.mean():.2f}, "
+              f"chained {row_tokens / row_steps:.2f}")
         if i < args.realized:
-            t, s = chained(tau_greedy.tolist())
             ids = torch.as_tensor(rows[i]["input_ids"])
             first = int(torch.as_tensor(rows[i]["loss_mask"]).bool().nonzero()[0])
             out = xpress.spec_generate(target, ids[None, :first], max_new_tokens=len(ids) - first)
             lengths = out.stats.acceptance_lengths
-            realized["chained_tokens"] += t
-            realized["chained_steps"] += s
+            realized["chained_tokens"] += row_tokens
+            realized["chained_steps"] += row_steps
             realized["tokens"] += sum(lengths)
             realized["steps"] += len(lengths)
             realized["identical_rows"] += int(torch.equal(out.sequences[0, : len(ids)], ids))

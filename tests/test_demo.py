@@ -8,14 +8,6 @@ from modeling_xpress.demo import compare_greedy, summary
 from modeling_xpress.synthetic import constructed_permutation_pair
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def test_compare_greedy_with_the_compiled_decoder_is_exact_and_summarised():
     torch.manual_seed(0)
     target, xpress = constructed_permutation_pair()
