@@ -24,6 +24,10 @@ Recipes (each flag can still be set by hand after `--recipe`):
 * `v4` — the v3 drafter trained 3,000 more steps (`--continue-from`, a fresh cosine schedule from 3e-4; the v3 run
   ended only because its schedule reached 0, still gaining), then the Markov and xPress heads on it, frozen, as in
   `v3-heads`.
+* `v5-deep` — the v3 run with a drafter twice as deep: 4 layers from the target's last four, still reading the
+  target's layers 1 and 27 (`--target-layer-ids`), so it trains from the v3 signal cache at the same budget (6,000
+  steps, same schedule); then the Markov and xPress heads on it, frozen, as in `v3-heads`. v3's held-out estimate was
+  still rising when its schedule ended, and a 2-layer drafter is shallow next to dFlash's 5 for a 36-layer target.
 * `v3-heads` — the Markov and xPress heads trained alone (`--train_mode refiner`) on the committed v3 drafter, frozen,
   1,500 steps each at 1e-3: the v3 head stages restarted the co-trained drafter's learning rate at 6e-4 and ended
   below the drafter they started from, so the heads could not be compared with the drafter itself.
@@ -122,6 +126,11 @@ RECIPES = {
            "eval_held_out": 100, "drafter_steps": 3000, "learning_rate": 3e-4, "head_steps": 1500,
            "save_steps": 250, "stages": ["drafter", "markov", "xpress"], "head_train_mode": "refiner",
            "head_learning_rate": 1e-3, "snapshots": "checkpoints/training/smollm2-v4"},
+    "v5-deep": {"data": "data/smollm2_responses,data/smollm2_responses_2400-7200,data/smollm2_responses_7200-7600",
+                "drafter_init": "target", "draft_vocab_size": 4096, "signal_cache": "cache/signals-smollm2-v3",
+                "num_draft_layers": 4, "target_layer_ids": "1,27", "eval_held_out": 100, "drafter_steps": 6000,
+                "head_steps": 1500, "save_steps": 250, "stages": ["drafter", "markov", "xpress"],
+                "head_train_mode": "refiner", "head_learning_rate": 1e-3, "snapshots": "checkpoints/training/smollm2-v5"},
 }  # fmt: skip
 
 
@@ -169,6 +178,8 @@ def main() -> None:
     parser.add_argument("--drafter-steps", type=int, default=1000, help="at most; early stopping may end it sooner")
     parser.add_argument("--head-steps", type=int, default=150, help="equal budget for each continuation")
     parser.add_argument("--num-draft-layers", type=int, default=2)
+    parser.add_argument("--target-layer-ids", help="drafter stage: the target layers it reads, e.g. 1,27 (default: "
+                        "dFlash's rule for --num-draft-layers; a signal cache holds one such list)")
     parser.add_argument("--drafter-init", choices=["scratch", "target"],
                         help="drafter stage: random weights, or the target's last --num-draft-layers layers")
     parser.add_argument("--draft-vocab-size", type=int, help="drafter stage: frequency-ranked draft vocabulary")
@@ -232,6 +243,8 @@ def main() -> None:
                     extra += ["--init_from_target_layers", "last"]
                 if args.draft_vocab_size:
                     extra += ["--draft_vocab_size", str(args.draft_vocab_size)]
+                if args.target_layer_ids:
+                    extra += ["--target_layer_ids", args.target_layer_ids]
         else:
             extra = ["--init_from", str(drafter), "--refiner", REFINER_OF[stage], "--refiner_rank",
                      str(args.refiner_rank), "--max_steps", str(args.head_steps), "--warmup_steps", "10",

@@ -111,6 +111,12 @@ class ScriptArguments:
     refiner_rank: int = field(default=256, metadata={"help": "Low rank r of the refiner / Markov head."})
     block_size: int = field(default=16, metadata={"help": "Fresh drafter: tokens per block, anchor included."})
     num_draft_layers: int = field(default=5, metadata={"help": "Fresh drafter: number of decoder layers."})
+    target_layer_ids: str = field(
+        default="",
+        metadata={"help": "Fresh drafter: comma-separated target layers it reads as context, e.g. '1,27' (default: "
+                  "dFlash's rule for --num_draft_layers). A signal cache holds the features of one such list, so a "
+                  "deeper drafter can reuse a shallower one's cache by passing that cache's layers."},
+    )
     draft_intermediate_size: int | None = field(default=None, metadata={"help": "Fresh drafter: MLP width (default: target's)."})
     mask_token_id: int | None = field(default=None, metadata={"help": "Fresh drafter: mask token id (default: learned vector)."})
     threads: int | None = field(
@@ -195,14 +201,17 @@ def load_data(args: ScriptArguments, target, seed: int) -> tuple[datasets.Datase
     return data, held_out if args.eval_held_out else None
 
 
-def copied_target_layers(value: str) -> str | list[int]:
-    """`--init_from_target_layers`: 'last' or comma-separated target layer indices."""
-    if value == "last":
-        return value
+def integer_list(value: str, option: str, alternative: str = "") -> list[int]:
+    """Comma-separated integers, e.g. '1,27'; the error names the option (and an `alternative` spelling)."""
     try:
         return [int(part) for part in value.split(",")]
     except ValueError:
-        raise ValueError(f"--init_from_target_layers must be 'last' or comma-separated integers, got {value!r}") from None
+        raise ValueError(f"{option} must be {alternative}comma-separated integers, got {value!r}") from None
+
+
+def copied_target_layers(value: str) -> str | list[int]:
+    """`--init_from_target_layers`: 'last' or comma-separated target layer indices."""
+    return value if value == "last" else integer_list(value, "--init_from_target_layers", "'last' or ")
 
 
 def build_drafter(args: ScriptArguments, target, data) -> XPressModel:
@@ -216,10 +225,14 @@ def build_drafter(args: ScriptArguments, target, data) -> XPressModel:
             "--init_from (a checkpoint) and --init_from_target_layers (the target's own layers) both say where the "
             "drafter starts: pass one of them"
         )
+    if args.init_from and args.target_layer_ids:
+        raise ValueError("--target_layer_ids shapes a fresh drafter; --init_from keeps the checkpoint's target layers")
     if not args.init_from:
         shape = dict(block_size=args.block_size, num_hidden_layers=args.num_draft_layers, mask_token_id=args.mask_token_id)
         if args.draft_intermediate_size is not None:
             shape["intermediate_size"] = args.draft_intermediate_size
+        if args.target_layer_ids:
+            shape["target_layer_ids"] = integer_list(args.target_layer_ids, "--target_layer_ids")
         if args.draft_vocab_size is not None:
             shape["draft_vocab_size"] = args.draft_vocab_size
         model = XPressModel(XPressConfig.from_target_config(target.config, **shape, **head))

@@ -230,3 +230,16 @@ def test_example_script_starts_the_drafter_from_the_target(tmp_path, monkeypatch
     with pytest.raises(ValueError, match=r"'last' or comma-separated integers, got 'deep'"):
         run_example(monkeypatch, *common, "--init_from_target_layers", "deep", "--output_dir", str(tmp_path / "c"),
                     "--max_steps", "1")  # fmt: skip
+    # --target_layer_ids: a deeper drafter reading the layers another drafter's signal cache holds
+    run_example(monkeypatch, *common[:-4], "--num_draft_layers", "3", "--target_layer_ids", "0,2", "--block_size",
+                "6", "--per_device_train_batch_size", "2", "--init_from_target_layers", "last", "--output_dir",
+                str(tmp_path / "d"), "--max_steps", "1", "--learning_rate", "0")  # fmt: skip
+    deeper = XPressModel.from_pretrained(tmp_path / "d")
+    assert deeper.config.num_hidden_layers == 3 and deeper.config.target_layer_ids == [0, 2]
+    assert deeper.fc.weight.shape[1] == 2 * target.config.hidden_size
+    with pytest.raises(ValueError, match=r"--target_layer_ids must be comma-separated integers, got 'a,b'"):
+        run_example(monkeypatch, *common, "--target_layer_ids", "a,b", "--output_dir", str(tmp_path / "e"),
+                    "--max_steps", "1")  # fmt: skip
+    with pytest.raises(ValueError, match=r"--init_from keeps the checkpoint's target layers"):
+        run_example(monkeypatch, *common, "--target_layer_ids", "0,2", "--init_from", str(tmp_path / "a"),
+                    "--output_dir", str(tmp_path / "f"), "--max_steps", "1")  # fmt: skip

@@ -758,7 +758,7 @@ def test_pipeline_snapshots_the_newest_checkpoint_and_keeps_the_best_one_loadabl
 
 
 def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_path, monkeypatch):
-    """smollm2_pipeline recipes v3-heads / v4: the head stages train the head alone (--train_mode refiner) from the
+    """smollm2_pipeline recipes v3-heads / v4 / v5-deep: the head stages train the head alone (--train_mode refiner) from the
     given drafter at the head learning rate; v4's drafter stage continues a trained drafter; a frozen-drafter run
     refuses the dflash stage (it would train nothing)."""
     import importlib.util
@@ -788,6 +788,15 @@ def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_pa
     assert flag(drafter, "--init_from") == "checkpoints/training/smollm2-v3/drafter"
     assert flag(drafter, "--learning_rate") == "0.0003" and "--init_from_target_layers" not in drafter
     assert [flag(c, "--init_from") for c in heads] == [str(tmp_path / "v4" / "drafter")] * 2
+
+    commands.clear()  # v5-deep: a 4-layer drafter on the v3 signal cache (its target layers 1 and 27)
+    monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v5-deep", "--out", str(tmp_path / "v5")])
+    pipeline.main()
+    drafter, *heads = commands
+    assert flag(drafter, "--num_draft_layers") == "4" and flag(drafter, "--target_layer_ids") == "1,27"
+    assert flag(drafter, "--init_from_target_layers") == "last"
+    assert flag(drafter, "--signal_cache") == "cache/signals-smollm2-v3"
+    assert [flag(c, "--train_mode") for c in heads] == ["refiner"] * 2
 
     monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v3-heads", "--stages", "dflash", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
