@@ -11,6 +11,11 @@ like the training prompts but reserved — never trained on — for choices like
 
     python examples/choose_draft_length.py                      # bundled checkpoint, bf16, 1 thread, 10 prompts
     python examples/choose_draft_length.py --thresholds none,0.2,0.4 --caps 4,8 --prompts 20
+    python examples/choose_draft_length.py --compile --dtype float32 --threads 2 --caps 1,3,7
+
+With `--compile` the settings run `spec_generate(compile=True)` (one static cache length for all prompts, every
+setting compiled before timing). The compiled loop verifies a bucketed width (2, 4, 8 or the whole block) that holds
+the drafts the rule keeps, so a cut saves target compute there too: on this CPU, much in fp32 and little in bf16.
 """
 
 import argparse
@@ -37,7 +42,8 @@ def settings_of(thresholds: list[float | None], caps: list[int], heads_off: list
     return out
 
 
-def run_setting(target, xpress, ids, max_new_tokens: int, setting: dict):
+def run_setting(target, xpress, ids, max_new_tokens: int, setting: dict, compile: bool = False,
+                max_cache_len: int | None = None):  # fmt: skip
     saved = xpress.config.jacobi_max_iters
     xpress.config.jacobi_max_iters = 0 if setting["k0"] else saved
     clock = WallClock(ids.device)
@@ -45,7 +51,8 @@ def run_setting(target, xpress, ids, max_new_tokens: int, setting: dict):
         start = clock.now()
         out = spec_generate(xpress, target, ids, max_new_tokens=max_new_tokens, temperature=0.0,
                             assistant_confidence_threshold=setting["threshold"] or 0.0,
-                            num_assistant_tokens=setting["cap"])  # fmt: skip
+                            num_assistant_tokens=setting["cap"], compile=compile,
+                            max_cache_len=max_cache_len)  # fmt: skip
         return out.sequences, clock.now() - start, out.stats
     finally:
         xpress.config.jacobi_max_iters = saved
@@ -61,6 +68,7 @@ def summarize(records: list[dict], names: list[str]) -> dict[str, dict]:
         taus = [t for r in rows for t in r["acceptance_lengths"]]
         lengths = [n for r in rows for n in r["draft_lengths"]]
         out[name] = {
+            "compiled_in_timed_calls": sum(bool(r.get("time_compile")) for r in rows),  # 0: all compiled beforehand
             "tokens_per_s": rate,
             "speed_vs_plain": rate / plain_rate,
             "mean_tau": sum(taus) / len(taus),
@@ -85,23 +93,34 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="benchmarks/results/draft-length-heldout.json")
+    parser.add_argument("--compile", action="store_true", help="time spec_generate(compile=True)")
+    parser.add_argument("--out", help="default: benchmarks/results/draft-length-heldout[-compiled-<dtype>].json")
     parser.add_argument("--note", default="", help="stored with the results, e.g. what else the machine was running")
     args = parser.parse_args()
+    if args.out is None:
+        suffix = f"-compiled-{args.dtype}" if args.compile else ""
+        args.out = f"benchmarks/results/draft-length-heldout{suffix}.json"
     torch.set_num_threads(args.threads)
 
     target, tokenizer = load_smollm2(dtype=DTYPES[args.dtype])
-    xpress = XPressModel.from_pretrained(args.checkpoint).eval()
+    xpress = XPressModel.from_pretrained(args.checkpoint, dtype=DTYPES[args.dtype]).eval()
     prompts = chat_prompt_ids(tokenizer, held_out_prompts(args.prompts))
     caps = [int(c) for c in args.caps.split(",") if c.strip()]
     settings = settings_of(parse_thresholds(args.thresholds), caps, parse_thresholds(args.heads_off))
     entries = ["plain"] + [s["name"] for s in settings]
     by_name = {s["name"]: s for s in settings}
 
-    run_plain(target, prompts[0], 8, 0.0, 0)  # warm-up: one-off costs are not charged to the first prompt
-    run_setting(target, xpress, prompts[0], 8, settings[0])
+    cache_len = None
+    if args.compile:  # one static cache length for every prompt: each setting compiles once, in the warm-up
+        from modeling_xpress.compiled import cache_length
+
+        cache_len = cache_length(max(p.shape[1] for p in prompts), args.max_new_tokens, xpress.config.block_size)
     records = []
+    # inference mode for the warm-up too: graphs compiled outside it would be compiled again inside it
     with torch.inference_mode():
+        run_plain(target, prompts[0], 8, 0.0, 0)  # warm-up: one-off costs are not charged to the first prompt
+        for setting in settings if args.compile else settings[:1]:  # two blocks: every graph of the loop compiles
+            run_setting(target, xpress, prompts[0], 2 * xpress.config.block_size, setting, args.compile, cache_len)
         for index, ids in enumerate(tqdm(prompts, desc="held-out prompts")):
             order = entries[index % len(entries) :] + entries[: index % len(entries)]
             done = {}
@@ -109,7 +128,8 @@ def main() -> None:
                 if name == "plain":
                     done[name] = (*run_plain(target, ids, args.max_new_tokens, 0.0, 0), None)
                 else:
-                    done[name] = run_setting(target, xpress, ids, args.max_new_tokens, by_name[name])
+                    done[name] = run_setting(target, xpress, ids, args.max_new_tokens, by_name[name], args.compile,
+                                             cache_len)  # fmt: skip
             reference = done["plain"][0]
             for name in entries:
                 sequences, seconds, stats = done[name]
@@ -119,6 +139,8 @@ def main() -> None:
                     "identical_to_plain": bool(torch.equal(sequences, reference)),
                     "acceptance_lengths": None if stats is None else list(stats.acceptance_lengths),
                     "draft_lengths": None if stats is None else list(stats.draft_lengths),
+                    "verify_widths": getattr(stats, "verify_widths", None),
+                    "time_compile": getattr(stats, "time_compile", None),  # 0 in every compiled record: compiled before
                 })  # fmt: skip
 
     summary = summarize(records, [s["name"] for s in settings])

@@ -11,6 +11,10 @@ measured in this run.
     python examples/demo.py --dtype bfloat16      # faster on CPUs with bf16 units; near-ties may flip (README)
     python examples/demo.py --constructed         # no download: a tiny constructed pair (see synthetic.py)
     python examples/demo.py --no-compile          # skip the compiled decoder (and its minute of compiling)
+    python examples/demo.py --num-assistant-tokens 0   # verify what the checkpoint config says (whole blocks)
+
+On a CPU the demo verifies the number of drafts per block chosen for its dtype on held-out prompts
+(`modeling_xpress.demo.CPU_DRAFT_CAPS`: 2 in fp32, the config's in bf16); `--num-assistant-tokens` overrides it.
 """
 
 import argparse
@@ -20,7 +24,7 @@ import torch
 from transformers import AutoModel
 
 from modeling_xpress.assets import DTYPES
-from modeling_xpress.demo import BUNDLED_CHECKPOINT, DEMO_PROMPTS, compare_greedy, summary
+from modeling_xpress.demo import BUNDLED_CHECKPOINT, CPU_DRAFT_CAPS, DEMO_PROMPTS, compare_greedy, summary
 
 
 def smollm2_pair(dtype: torch.dtype, checkpoint: str):
@@ -52,6 +56,9 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true",
                         help="skip the third decoder, xpress.spec_generate(target, ..., compile=True) (static caches "
                         "and torch.compile; it compiles once, about a minute on a CPU, before anything is timed)")
+    parser.add_argument("--num-assistant-tokens", type=int, default=None,
+                        help="drafts verified per block by both xPress decoders; 0: the checkpoint config's (default on "
+                        "a CPU: CPU_DRAFT_CAPS for the dtype, chosen on held-out prompts)")
     parser.add_argument("--constructed", action="store_true",
                         help="the offline example: a tiny target with a constructed (not trained) head")  # fmt: skip
     args = parser.parse_args()
@@ -62,10 +69,18 @@ def main() -> None:
         target, xpress, tokenizer, prompts = constructed_pair(n_prompts=4)
     else:
         target, xpress, tokenizer, prompts = smollm2_pair(DTYPES[args.dtype], args.checkpoint)
+    cap, source = args.num_assistant_tokens, "--num-assistant-tokens"
+    if cap is None and not args.constructed and target.device.type == "cpu":
+        cap, source = CPU_DRAFT_CAPS.get(args.dtype), f"chosen for {args.dtype} on a CPU on held-out prompts"
+    cap = cap or None  # 0: the config's
+    if cap is None:
+        cap_config = getattr(xpress.config, "num_assistant_tokens", None)
+        source = "the checkpoint config" if cap_config else "the whole block: the checkpoint config sets no cap"
+    print(f"drafts verified per block: at most {cap or cap_config or xpress.config.block_size - 1} ({source})")
     if not args.no_compile:
         print("compiling xpress.spec_generate(compile=True) once for these prompts (not timed) ...", flush=True)
     rows = compare_greedy(target, xpress, prompts, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer,
-                          compiled=not args.no_compile)  # fmt: skip
+                          compiled=not args.no_compile, num_assistant_tokens=cap)  # fmt: skip
     for i, row in enumerate(rows):
         if row.text is not None:
             print(f"--- prompt {i}: {DEMO_PROMPTS[i]}\n{row.text.strip()}\n")

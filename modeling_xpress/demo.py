@@ -15,6 +15,12 @@ DEMO_PROMPTS = [
     "A train travels 180 km in 2 hours. What is its average speed? Explain briefly.",
     "Give me three tips for staying focused while studying.",
 ]
+# Drafts verified per block by `make demo` on a CPU, by dtype (None: the checkpoint config's own), chosen on held-out
+# training prompts with `examples/choose_draft_length.py --compile` (benchmarks/results/draft-length-heldout-compiled-
+# <dtype>.json), never on these prompts or the evaluation sets. On a 2-core CPU an fp32 verification is compute-bound:
+# anchor + 2 drafts costs about one plain step and anchor + 15 about two, so 2 drafts per block decode fastest there;
+# in bf16 (AMX) a whole block costs about one plain step and the checkpoint's setting stands.
+CPU_DRAFT_CAPS = {"float32": 2, "bfloat16": None}
 
 
 @dataclass
@@ -52,24 +58,27 @@ def compile_cache_length(xpress, prompts: list[torch.Tensor], max_new_tokens: in
 
 @torch.inference_mode()
 def compare_greedy(target, xpress, prompts: list[torch.Tensor], *, max_new_tokens: int = 64, tokenizer=None,
-                   warmup: bool = True, compiled: bool = False) -> list[ComparisonRow]:  # fmt: skip
+                   warmup: bool = True, compiled: bool = False,
+                   num_assistant_tokens: int | None = None) -> list[ComparisonRow]:  # fmt: skip
     """Greedy-decode each prompt (1, T) with the target alone and with `assistant_model=xpress` (and, with `compiled`,
     with `xpress.spec_generate(target, ..., compile=True)`, compiled during the warm-up), one after the other per
-    prompt so machine noise hits them alike. Returns one row per prompt; the ratio of summed times is the speedup."""
+    prompt so machine noise hits them alike. Returns one row per prompt; the ratio of summed times is the speedup.
+    `num_assistant_tokens`: drafts verified per block by both xPress decoders (None: the xPress config's)."""
     cache_len = compile_cache_length(xpress, prompts, max_new_tokens) if compiled and prompts else None
+    assisted = {} if num_assistant_tokens is None else {"num_assistant_tokens": num_assistant_tokens}
     if warmup and prompts:
         target.generate(prompts[0], max_new_tokens=4, do_sample=False)
-        target.generate(prompts[0], max_new_tokens=4, do_sample=False, assistant_model=xpress)
+        target.generate(prompts[0], max_new_tokens=4, do_sample=False, assistant_model=xpress, **assisted)
         if compiled:  # two blocks' worth, so every graph of the loop (not only the first step's) is compiled here
             xpress.spec_generate(target, prompts[0], max_new_tokens=2 * xpress.config.block_size, compile=True,
-                                 max_cache_len=cache_len)  # fmt: skip
+                                 max_cache_len=cache_len, num_assistant_tokens=num_assistant_tokens)  # fmt: skip
     rows = []
     clock = WallClock(target.device)  # synchronises CUDA, so GPU times are real
     for ids in prompts:
         t0 = clock.now()
         plain = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
         t1 = clock.now()
-        fast = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=xpress)
+        fast = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=xpress, **assisted)
         t2 = clock.now()
         row = ComparisonRow(
             prompt_tokens=ids.shape[1],
@@ -83,7 +92,7 @@ def compare_greedy(target, xpress, prompts: list[torch.Tensor], *, max_new_token
         if compiled:
             t3 = clock.now()
             out = xpress.spec_generate(target, ids, max_new_tokens=max_new_tokens, compile=True,
-                                       max_cache_len=cache_len)  # fmt: skip
+                                       max_cache_len=cache_len, num_assistant_tokens=num_assistant_tokens)  # fmt: skip
             row.compiled_seconds = clock.now() - t3
             row.compiled_identical = torch.equal(plain, out.sequences)
             row.compiled_tau = out.stats.mean_tau

@@ -136,25 +136,50 @@ def test_eos_mid_block(constructed):
     assert_same_run(out, xpress.spec_generate(target, ids, max_new_tokens=60, stop_token_ids=stop))
 
 
-def test_draft_length_cap_is_applied_as_in_eager(constructed):
-    """The cap on drafts per block only masks acceptance (the whole block is verified): same τ as the eager loop."""
+def test_verify_width_buckets():
+    assert compiled.verify_widths(16) == [2, 4, 8, 16] and compiled.verify_widths(8) == [2, 4, 8]
+    assert compiled.verify_widths(6) == [2, 4, 6] and compiled.verify_widths(2) == [2]
+    assert [compiled.verify_width(16, t) for t in (1, 2, 3, 4, 5, 9, 16)] == [2, 2, 4, 4, 8, 16, 16]
+    assert [compiled.verify_width(6, t) for t in (1, 3, 5, 6)] == [2, 4, 6, 6]
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3, 7])
+def test_draft_length_cap_is_applied_as_in_eager(constructed, cap):
+    """A cap on drafts per block verifies the anchor and the cap's drafts, one graph for the whole call (the last,
+    shorter blocks included): same tokens, τ and steps as the eager loop, which verifies exactly the cap."""
     target, _, xpress = constructed
     ids = torch.tensor([[5, 9]])
-    out = xpress.spec_generate(target, ids, max_new_tokens=40, stop_token_ids=[], compile=True, num_assistant_tokens=3)
+    out = xpress.spec_generate(target, ids, max_new_tokens=40, stop_token_ids=[], compile=True,
+                               num_assistant_tokens=cap)  # fmt: skip
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=40, do_sample=False))
-    assert max(out.stats.draft_lengths) == 3 and max(out.stats.acceptance_lengths) == 4
-    eager = xpress.spec_generate(target, ids, max_new_tokens=40, stop_token_ids=[], num_assistant_tokens=3)
+    assert max(out.stats.draft_lengths) == cap and max(out.stats.acceptance_lengths) == cap + 1
+    assert set(out.stats.verify_widths) == {cap + 1}
+    eager = xpress.spec_generate(target, ids, max_new_tokens=40, stop_token_ids=[], num_assistant_tokens=cap)
     assert_same_run(out, eager)
+    uncapped = xpress.spec_generate(target, ids, max_new_tokens=40, stop_token_ids=[], compile=True)
+    assert set(uncapped.stats.verify_widths) == {xpress.config.block_size}
 
 
 @pytest.mark.parametrize("refiner", ["markov", "xpress"])
 def test_draft_confidence_threshold_is_applied_as_in_eager(drafters, refiner):
     target, xpress = drafters("llama", refiner)
     ids = prompt(96, 7, seed=5)
-    out = xpress.spec_generate(target, ids, max_new_tokens=29, compile=True, assistant_confidence_threshold=0.5)
+    threshold = {"markov": 0.05, "xpress": 0.5}[refiner]  # cuts that leave blocks of several lengths (random drafters)
+    out = xpress.spec_generate(target, ids, max_new_tokens=29, compile=True, assistant_confidence_threshold=threshold)
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=29, do_sample=False))
     assert min(out.stats.draft_lengths) < xpress.config.block_size - 1  # the threshold cuts
-    assert_same_run(out, xpress.spec_generate(target, ids, max_new_tokens=29, assistant_confidence_threshold=0.5))
+    # each block goes through the smallest width that holds its drafts, and several widths are used
+    steps = out.stats.verify_widths[: len(out.stats.draft_lengths)]  # a last step without a draft comes after them
+    assert steps == [compiled.verify_width(xpress.config.block_size, m + 1) for m in out.stats.draft_lengths]
+    capped = xpress.spec_generate(target, ids, max_new_tokens=29, compile=True, assistant_confidence_threshold=threshold,
+                                  num_assistant_tokens=5)  # fmt: skip
+    assert set(capped.stats.verify_widths) <= {2, 4, 6}
+    assert len(set(out.stats.verify_widths)) > 1
+    assert_same_run(out, xpress.spec_generate(target, ids, max_new_tokens=29, assistant_confidence_threshold=threshold))
+    # every width was compiled before the first step: a call that uses other widths compiles nothing
+    again = xpress.spec_generate(target, prompt(96, 7, seed=6), max_new_tokens=29, compile=True,
+                                 assistant_confidence_threshold=0.3)  # fmt: skip
+    assert again.stats.time_compile == 0.0
 
 
 # --- sampling ----------------------------------------------------------------------------------------------------
@@ -203,7 +228,8 @@ def test_the_compiled_test_detects_a_wrong_q(sampling_pair, monkeypatch):
     assert chi_square_pvalue(samples, exact_distribution(target, LogitsProcessorList())) < 1e-3
 
 
-@pytest.mark.parametrize("settings", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 2}])
+@pytest.mark.parametrize("settings", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 2},
+                                      {"temperature": 1.0, "assistant_confidence_threshold": 0.6}])
 def test_compiled_sampling_equals_eager_draw_for_draw(sampling_pair, settings):
     """Same generator, same random draws in the same order: the same samples as the eager loop."""
     target, xpress = sampling_pair

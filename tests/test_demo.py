@@ -34,3 +34,15 @@ def test_compare_greedy_without_the_compiled_decoder_reports_no_compiled_figures
     rows = compare_greedy(target, xpress, [torch.randint(0, target.config.vocab_size, (1, 4))], max_new_tokens=16)
     assert rows[0].identical and rows[0].compiled_seconds is None and rows[0].compiled_speedup is None
     assert "compiled_speedup_vs_plain" not in summary(rows)
+
+
+def test_compare_greedy_passes_the_draft_cap_to_both_xpress_decoders():
+    """`make demo`'s per-dtype cap (`CPU_DRAFT_CAPS`) reaches `generate(assistant_model=)` and the compiled decoder:
+    at most 2 drafts + the bonus token per step, still the target's own output."""
+    torch.manual_seed(0)
+    target, xpress = constructed_permutation_pair()
+    prompts = [torch.randint(0, target.config.vocab_size, (1, 5))]
+    rows = compare_greedy(target, xpress, prompts, max_new_tokens=30, compiled=True, num_assistant_tokens=2)
+    assert rows[0].identical and rows[0].compiled_identical
+    assert 2 < rows[0].mean_tau <= 3 and rows[0].compiled_tau == pytest.approx(rows[0].mean_tau)
+    assert rows[0].compiled_compile_seconds == 0  # the warm-up compiled the capped width too

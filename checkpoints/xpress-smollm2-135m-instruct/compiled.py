@@ -5,9 +5,12 @@ kernels, and so is a draft step. This file runs the same loop with every shape f
 compiled once (`torch.compile`, mode "reduce-overhead" on CUDA: replayed as a CUDA graph; default inductor on CPU):
 
 * static caches (transformers `StaticCache`) for the target and for the drafter, sized once per length bucket;
-* verification always runs the whole block `[anchor, d_1..d_{B-1}]`; only the first `m` drafts (the draft-length cut,
-  the token budget) take part in acceptance, exactly as the eager loop verifies `m`. By causality the target's
-  logits at positions 0..m do not depend on the drafts after them;
+* verification runs `[anchor, d_1..d_{W-1}]`, W fixed per graph. Without a confidence threshold W is
+  `num_assistant_tokens + 1` (the whole block B when uncapped): one graph per call. With a threshold the number of
+  drafts `m` varies per block, so W is the smallest of a few buckets (powers of two below the cap's width, and that
+  width: `verify_widths`) that holds `m + 1`. Only the first `m` drafts take part in acceptance, exactly as the eager
+  loop verifies `m`: by causality the target's logits at positions 0..m do not depend on the drafts after them. On a
+  CPU a short verification is much cheaper than a whole block in fp32 (compute-bound), so a cap pays there;
 * the drafter's new context (the verified tokens' target features, 1..B of them per step) is padded to B rows and
   masked; the prompt's context, whose length varies per call, goes through the same function uncompiled (a prefill);
 * the Jacobi refiner runs a fixed `jacobi_max_iters` iterations inside its graph. Early exit needs no decision
@@ -29,7 +32,7 @@ This file travels with every saved checkpoint; it imports only torch, transforme
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import StaticCache
@@ -60,9 +63,23 @@ class CompiledGenerationStats(XPressGenerationStats):
     graphs were compiled by an earlier call). Section times and `time_total` include that compilation."""
 
     time_compile: float = 0.0
+    # tokens each verification ran through the target: its bucketed width W (the eager loop's is draft length + 1)
+    verify_widths: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {**super().as_dict(), "time_compile": self.time_compile}
+        return {**super().as_dict(), "time_compile": self.time_compile, "verify_widths": list(self.verify_widths)}
+
+
+def verify_widths(widest: int) -> list[int]:
+    """The verification widths of a call whose blocks verify at most `widest` tokens (anchor + the cap's drafts) and
+    a varying number below it: powers of two below `widest`, and `widest`. Each is one graph; a block's drafts go
+    through the smallest that holds them."""
+    return [*(w for w in (2**i for i in range(1, widest.bit_length())) if w < widest), widest]
+
+
+def verify_width(widest: int, tokens: int) -> int:
+    """The smallest of `verify_widths(widest)` that holds `tokens` (anchor + the drafts to verify)."""
+    return next(w for w in verify_widths(widest) if w >= tokens)
 
 
 def _graphs_compiled() -> int:
@@ -165,7 +182,8 @@ class CompiledDecoder:
 
     Four compiled calls, each with fixed shapes: `drafter` (block embedding + drafter forward on a context padded to
     B rows), `head` (the drafter's base logits through the target's lm_head), `refiner` (the head's decode) and
-    `verify` (the target on the whole block: its processed logits and the drafter's next context features). The
+    `verify` (the target on the anchor and the first drafts, one graph per `verify_widths` bucket: its processed
+    logits and the drafter's next context features). The
     compiled calls of every decoder share code, so dynamo reuses a graph for any models of the same shapes (weights
     and caches are graph inputs) and compiles only for new shapes.
     """
@@ -192,6 +210,7 @@ class CompiledDecoder:
         self.cuda = target.device.type == "cuda"
         mode = "reduce-overhead" if self.cuda else None  # CUDA graphs on a GPU; plain inductor kernels on CPU
         self.compile_seconds = 0.0
+        self.verified_widths: set[int] = set()  # verification widths whose graph is compiled
         self.drafter = _TimedCompile(self._draft, self, mode)
         self.head = _TimedCompile(self._base_logits, self, mode)
         self.refiner = _TimedCompile(self._refine, self, mode)
@@ -248,16 +267,27 @@ class CompiledDecoder:
         return result.tokens, result.logits, result.iterations
 
     def _verify(self, tokens: torch.Tensor, anchor_pos: torch.Tensor):
-        """Target forward on the whole block tokens (1, B) at positions anchor_pos.. : processed logits (B, V) and
-        the drafter's context features of these tokens (1, B, L·H_t)."""
+        """Target forward on tokens (1, W) = [anchor, drafts] at positions anchor_pos.. (W a `verify_widths` bucket,
+        one graph each): processed logits (W, V) and the drafter's context features of these tokens (1, W, L·H_t)."""
+        width = tokens.shape[1]
         _set_write_position(self.target_cache, anchor_pos)
-        position_ids = (anchor_pos + torch.arange(self.block, device=tokens.device)).unsqueeze(0)
+        position_ids = (anchor_pos + torch.arange(width, device=tokens.device)).unsqueeze(0)
         out = self.target(input_ids=tokens, position_ids=position_ids, cache=self.target_cache,
                           output_hidden_states=self.hidden_request)  # fmt: skip
-        logits = out.logits[0].float()  # (B, V)
+        logits = out.logits[0].float()  # (W, V)
         if self.processors:  # prefix-free: the ids are not read
-            logits = self.processors(tokens.expand(self.block, -1), logits)
-        return logits, target_features(out.hidden_states, self.layer_ids, self.block)
+            logits = self.processors(tokens.expand(width, -1), logits)
+        return logits, target_features(out.hidden_states, self.layer_ids, width)
+
+    def compile_verify_widths(self, widths, anchor: torch.Tensor, anchor_pos: int) -> None:
+        """Compile the verification graphs of `widths` not compiled yet, on placeholder tokens at the first step's
+        slots (right after the prefill): the first real verification writes from the same slot, so nothing they
+        leave in the cache is ever read. Then no step of a call compiles in the middle of decoding."""
+        for width in widths:
+            if width not in self.verified_widths:
+                placeholder = anchor.reshape(1, 1).expand(1, width).contiguous()  # laid out as the real calls' ids
+                self.verify(placeholder, torch.tensor(anchor_pos, device=anchor.device))
+                self.verified_widths.add(width)
 
     # --- one call -------------------------------------------------------------------------------------------------
 
@@ -399,6 +429,12 @@ def _decode(decoder: CompiledDecoder, input_ids, max_new_tokens, stop, generator
     last_token = int(sequence[0, -1])
     count = input_ids.shape[1]  # rows of `features` that are new committed context
     context_len = 0
+    # Verification widths this call can use: the cap's (anchor + cap drafts) without a confidence threshold, else
+    # the buckets up to it; their graphs are compiled now, before the first step.
+    widest = draft_rule.cap + 1
+    fixed_width = not draft_rule.threshold
+    decoder.compile_verify_widths([widest] if fixed_width else verify_widths(widest), sequence[0, -1],
+                                  sequence.shape[1] - 1)  # fmt: skip
     stats.record("verify", start, timer.mark())
     prompt_len = input_ids.shape[1]
 
@@ -429,13 +465,15 @@ def _decode(decoder: CompiledDecoder, input_ids, max_new_tokens, stop, generator
             result = RefinementResult(tokens=tokens, logits=q_logits, iterations=iterations)
             length = draft_length(result, draft_rule.threshold, budget)
             stats.draft_lengths.append(length)
-            block_drafts = tokens[0]  # (n,): all of them are verified, the first `length` are accepted from
+            block_drafts = tokens[0]  # (n,): the first W - 1 are verified, the first `length` are accepted from
         else:  # one token left: the target alone emits it (the drafts are placeholders no acceptance reads)
             length, q_logits = 0, torch.empty(1, 0)
             block_drafts = anchor[0].expand(n)
 
         t_verify = timer.mark()
-        verify_ids = torch.cat([anchor, block_drafts.view(1, -1)], dim=1)  # (1, B) [anchor, d_1..d_{B-1}]
+        width = widest if fixed_width else verify_width(widest, length + 1)
+        stats.verify_widths.append(width)
+        verify_ids = torch.cat([anchor, block_drafts[: width - 1].view(1, -1)], dim=1)  # (1, W) [anchor, d_1..]
         p_logits, block_features = decoder.verify(verify_ids, torch.tensor(anchor_pos, device=device))
         draft = block_drafts[:length]
         if do_sample:
@@ -448,7 +486,7 @@ def _decode(decoder: CompiledDecoder, input_ids, max_new_tokens, stop, generator
             accepted = accepted[: int(stop_at[0]) + 1]
         accepted = accepted[: max_new_tokens - (sequence.shape[1] - prompt_len)]
         # No crop: the next verification writes from the slot after the accepted tokens. The anchor and the accepted
-        # drafts are the next drafter context: the first matches + 1 rows of this block's features.
+        # drafts are the next drafter context: the first matches + 1 rows of this block's features (W >= that).
         features, count = (block_features.clone() if decoder.cuda else block_features), matches + 1
         sequence = torch.cat([sequence, accepted.view(1, -1)], dim=1)
         last_token = int(sequence[0, -1])
@@ -464,6 +502,8 @@ def _decode(decoder: CompiledDecoder, input_ids, max_new_tokens, stop, generator
 __all__ = [
     "CompiledDecoder",
     "cache_length",
+    "verify_width",
+    "verify_widths",
     "CompiledGenerationStats",
     "compiled_spec_generate",
     "jacobi_fixed_iterations",
