@@ -57,8 +57,8 @@ def main() -> None:
                         help="skip the third decoder, xpress.spec_generate(target, ..., compile=True) (static caches "
                         "and torch.compile; it compiles once, about a minute on a CPU, before anything is timed)")
     parser.add_argument("--num-assistant-tokens", type=int, default=None,
-                        help="drafts verified per block by both xPress decoders; 0: the checkpoint config's (default on "
-                        "a CPU: CPU_DRAFT_CAPS for the dtype, chosen on held-out prompts)")
+                        help="drafts verified per block by both xPress decoders; 0: the checkpoint config's "
+                        "(default on a CPU: CPU_DRAFT_CAPS for the dtype, chosen on held-out prompts)")
     parser.add_argument("--constructed", action="store_true",
                         help="the offline example: a tiny target with a constructed (not trained) head")  # fmt: skip
     args = parser.parse_args()

@@ -130,7 +130,8 @@ RECIPES = {
                 "drafter_init": "target", "draft_vocab_size": 4096, "signal_cache": "cache/signals-smollm2-v3",
                 "num_draft_layers": 4, "target_layer_ids": "1,27", "eval_held_out": 100, "drafter_steps": 6000,
                 "head_steps": 1500, "save_steps": 250, "stages": ["drafter", "markov", "xpress"],
-                "head_train_mode": "refiner", "head_learning_rate": 1e-3, "snapshots": "checkpoints/training/smollm2-v5"},
+                "head_train_mode": "refiner", "head_learning_rate": 1e-3,
+                "snapshots": "checkpoints/training/smollm2-v5"},
 }  # fmt: skip
 
 

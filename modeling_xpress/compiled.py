@@ -49,7 +49,7 @@ from .generation import (
     draft_length,
     target_features,
 )
-from .refinement import RefinementResult, decode, gumbel_noise, previous_tokens
+from .refinement import RefinementResult, decode, gumbel_noise, previous_tokens, target_ids
 
 # Static caches are sized to a multiple of this many tokens, so prompts of different lengths share compiled state.
 LENGTH_BUCKET = 256
@@ -147,13 +147,15 @@ def _prefix_free_transform(processors):
 
 
 def jacobi_fixed_iterations(refiner, folded, hidden, base_logits, anchor_ids, *, iterations: int,
-                            to_vocabulary=None, logits_transform=None, noise=None) -> RefinementResult:  # fmt: skip
+                            to_vocabulary=None, logits_transform=None, noise=None,
+                            token_ids=None) -> RefinementResult:  # fmt: skip
     """`jacobi_refine` with a fixed number of full-block iterations and no early exit: the graph-friendly form.
 
     `folded` is `refiner.folded()`, computed outside the graph (it is cached by tensor versions, which a graph cannot
     read). Every iteration re-decodes all positions; a block's iteration count stops at its first iteration that
     changes no token, as in `jacobi_refine`, and iterations after a fixed point reproduce it (Theorem 1), so tokens,
-    logits and counts equal `jacobi_refine(..., max_iters=iterations)` with or without early exit.
+    logits and counts equal `jacobi_refine(..., max_iters=iterations)` with or without early exit. `token_ids`: as
+    in `jacobi_refine`, everything over the draft vocabulary.
     """
     to_vocabulary = to_vocabulary or (lambda values: values)
     # refiner.prepare(hidden), from the precomputed operators: the token-independent part of c, once per block
@@ -166,7 +168,7 @@ def jacobi_fixed_iterations(refiner, folded, hidden, base_logits, anchor_ids, *,
     settled = torch.zeros(b, dtype=torch.bool, device=tokens.device)
     for _ in range(iterations):
         # refiner.delta_folded(prepared, previous) over the whole block
-        previous = previous_tokens(anchor_ids, tokens)  # (b, n)
+        previous = previous_tokens(anchor_ids, target_ids(tokens, token_ids))  # (b, n)
         c = prepared + torch.einsum("dkj,bjd->bkd", folded.mix, folded.token_table[previous])
         delta = to_vocabulary(refiner.trans_read(c))  # (b, n, V)
         processed, new_tokens = decode(base_logits + delta, logits_transform, noise)
@@ -174,7 +176,7 @@ def jacobi_fixed_iterations(refiner, folded, hidden, base_logits, anchor_ids, *,
         counts += (~settled).long()
         settled |= ~changed
         tokens = new_tokens
-    return RefinementResult(tokens=tokens, logits=processed, iterations=counts)
+    return RefinementResult(tokens=target_ids(tokens, token_ids), logits=processed, iterations=counts)
 
 
 class CompiledDecoder:
@@ -243,8 +245,9 @@ class CompiledDecoder:
         return out.last_hidden_state  # (1, B, H)
 
     def _base_logits(self, hidden: torch.Tensor, rows) -> torch.Tensor:
-        # `rows` (the draft vocabulary's lm_head rows, or None) come from `head_rows`, outside the graph
-        return self.xpress.base_logits(hidden.to(self.lm_head.weight.dtype), self.lm_head, rows)  # (1, n, V)
+        # `rows` (the draft vocabulary's lm_head rows, or None) come from `head_rows`, outside the graph. Over the
+        # draft vocabulary when there is one: the compiled loop's processors are all `vocabulary_local`.
+        return self.xpress.draft_logits(hidden.to(self.lm_head.weight.dtype), self.lm_head, rows)  # (1, n, V_d)
 
     def head_rows(self):
         """`xpress.draft_readout` outside the graph: its cache is keyed by data pointers, which a graph cannot
@@ -258,12 +261,16 @@ class CompiledDecoder:
         xpress = self.xpress
         if folded is None:  # Markov serial decode, plain argmax, or Jacobi with K = 0: no data-dependent control flow
             result = xpress.refine(hidden, base_logits, anchor_ids, logits_transform=self.transform, noise=noise)
-        else:
-            to_vocabulary = None if xpress.draft_token_ids is None else xpress.to_vocabulary
+        else:  # over the draft vocabulary when there is one (`_base_logits`), as `xpress.refine` decides by shape
+            draft_space = xpress.draft_token_ids is not None and base_logits.shape[-1] != xpress.config.vocab_size
+            to_vocabulary = xpress.to_vocabulary if xpress.draft_token_ids is not None and not draft_space else None
             result = jacobi_fixed_iterations(
                 xpress.refiner, folded, hidden, base_logits, anchor_ids, iterations=self.jacobi_iters,
                 to_vocabulary=to_vocabulary, logits_transform=self.transform, noise=noise,
+                token_ids=xpress.draft_token_ids if draft_space else None,
             )  # fmt: skip
+            if draft_space:
+                result.logits = xpress.to_vocabulary(result.logits, fill=float("-inf"))
         return result.tokens, result.logits, result.iterations
 
     def _verify(self, tokens: torch.Tensor, anchor_pos: torch.Tensor):

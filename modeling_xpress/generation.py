@@ -167,6 +167,18 @@ def processors_transform(logits_processor: LogitsProcessorList | None, input_ids
     return transform
 
 
+# transformers' warpers that read neither the token prefix nor token ids, only the logits' values: verification can
+# process all positions in one call, and over a draft vocabulary they give the distribution they give over the whole
+# vocabulary with -inf outside it.
+PREFIX_FREE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+
+def vocabulary_local(logits_processor: LogitsProcessorList | None) -> bool:
+    """Whether a drafter may decode over its draft vocabulary under these processors (`XPressModel.refine`): none,
+    or only temperature / top-k / top-p. Any other processor may read token ids, so it gets the whole vocabulary."""
+    return all(type(processor) in PREFIX_FREE_PROCESSORS for processor in logits_processor or [])
+
+
 def sampling_processors(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
     """Temperature, top-k and top-p as transformers' own warpers (applied identically to q and p)."""
     processors = LogitsProcessorList()
@@ -179,10 +191,6 @@ def sampling_processors(temperature: float, top_k: int | None, top_p: float | No
     return processors
 
 
-# Processors whose output does not depend on the token prefix: verification can process all positions in one call.
-_PREFIX_FREE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
-
-
 def process_verification_logits(
     processors: LogitsProcessorList, sequence: torch.Tensor, draft: torch.Tensor, logits: torch.Tensor
 ) -> torch.Tensor:
@@ -190,7 +198,7 @@ def process_verification_logits(
     the drafts (m,); position j is processed as transformers does, with the prefix `sequence + draft[:j]`."""
     if not processors:
         return logits
-    if all(isinstance(p, _PREFIX_FREE) for p in processors):
+    if all(isinstance(p, PREFIX_FREE_PROCESSORS) for p in processors):
         return processors(sequence.expand(logits.shape[0], -1), logits)
     ids, length = torch.cat([sequence, draft.view(1, -1)], dim=1), sequence.shape[1]
     return torch.cat([processors(ids[:, : length + j], logits[j : j + 1]) for j in range(logits.shape[0])])
@@ -264,12 +272,14 @@ def draft_block(
     generator: torch.Generator | None = None,
     stats: XPressGenerationStats | None = None,
     timer: SectionTimer | None = None,
+    draft_space: bool = False,
 ) -> RefinementResult:
     """Draft one block after the committed prefix and return its tokens and their distributions.
 
     anchor: (1,) last committed token (position `context_start + c`); context_features: (1, c, L·H_t) target features
     of committed tokens the drafter cache has not seen. The drafter cache keeps only context K/V: the block's K/V are
-    cropped before returning.
+    cropped before returning. `draft_space`: decode over the draft vocabulary (allowed when `vocabulary_local` holds
+    for the processors behind `logits_transform`); the result is the same either way, over the whole vocabulary.
     """
     timer = timer or SectionTimer(anchor.device)
     block = xpress.config.block_size
@@ -287,7 +297,8 @@ def draft_block(
     cache.crop(-block)
     hidden = out.last_hidden_state  # (1, B, H)
     t1 = timer.mark()
-    base = xpress.base_logits(hidden.to(lm_head.weight.dtype), lm_head)  # (1, n, V)
+    read = xpress.draft_logits if draft_space else xpress.base_logits
+    base = read(hidden.to(lm_head.weight.dtype), lm_head)  # (1, n, V_d) over the draft vocabulary, else (1, n, V)
     t2 = timer.mark()
     noise = gumbel_noise(base.shape, generator=generator, device=base.device) if do_sample else None
     result = xpress.refine(hidden[:, 1:], base, anchor.view(1), logits_transform=logits_transform, noise=noise)
@@ -487,6 +498,7 @@ class XPressCandidateGenerator(CandidateGenerator):
             do_sample=self.do_sample,
             stats=self.stats,
             timer=self.timer,
+            draft_space=vocabulary_local(self.logits_processor),
         )
         self.context_len = anchor_pos
         length = draft_length(result, self.draft_rule.threshold, budget)
@@ -763,6 +775,7 @@ def spec_generate(
             result = draft_block(
                 xpress, embed_tokens, lm_head, sequence[0, -1:], features.to(xpress.device), context_len, draft_cache,
                 logits_transform=transform, do_sample=do_sample, generator=generator, stats=stats, timer=timer,
+                draft_space=vocabulary_local(processors),
             )  # fmt: skip
             context_len = anchor_pos
             length = draft_length(result, draft_rule.threshold, budget)

@@ -151,9 +151,12 @@ class CorrectionHead(nn.Module):
         noise: torch.Tensor | None = None,
         max_iters: int,
         early_exit: bool = True,
+        token_ids: torch.Tensor | None = None,
     ) -> RefinementResult:
         """`base_logits` (b, n, V) are over the whole vocabulary; `to_vocabulary` maps the head's δ from its readout
-        (the draft vocabulary) onto it (None: the readout already is the whole vocabulary)."""
+        (the draft vocabulary) onto it (None: the readout already is the whole vocabulary). With `token_ids` (the
+        draft vocabulary's target ids) `base_logits` and `noise` are over the draft vocabulary instead, like δ
+        (`refinement` module docstring); tokens come back as target ids either way."""
         raise NotImplementedError
 
 
@@ -206,12 +209,11 @@ class XPressRefiner(CorrectionHead):
         init.copy_(self.causal_mask, torch.tril(torch.ones(n, n), diagonal=-1))
 
     def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
-               max_iters, early_exit=True):  # fmt: skip
+               max_iters, early_exit=True, token_ids=None):  # fmt: skip
         """Jacobi refinement (Algorithm 1) with the folded operators: K parallel passes instead of n serial ones."""
         return jacobi_refine(
             self, hidden, base_logits, anchor_ids, to_vocabulary=to_vocabulary, logits_transform=logits_transform,
-            noise=noise,
-            max_iters=max_iters, early_exit=early_exit,
+            noise=noise, max_iters=max_iters, early_exit=early_exit, token_ids=token_ids,
         )  # fmt: skip
 
     def mix_operator(self) -> torch.Tensor:
@@ -294,10 +296,10 @@ class MarkovHead(CorrectionHead):
         return self.bias(previous)
 
     def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
-               max_iters=0, early_exit=True):  # fmt: skip
+               max_iters=0, early_exit=True, token_ids=None):  # fmt: skip
         """The serial decode: n dependent steps, whatever `max_iters` says."""
         return markov_decode(self, base_logits, anchor_ids, to_vocabulary=to_vocabulary,
-                             logits_transform=logits_transform, noise=noise)  # fmt: skip
+                             logits_transform=logits_transform, noise=noise, token_ids=token_ids)  # fmt: skip
 
 
 class NoHead(CorrectionHead):
@@ -314,8 +316,8 @@ class NoHead(CorrectionHead):
         return hidden.new_zeros(*previous.shape, self.vocab_size)
 
     def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
-               max_iters=0, early_exit=True):  # fmt: skip
-        return plain_decode(base_logits, logits_transform=logits_transform, noise=noise)
+               max_iters=0, early_exit=True, token_ids=None):  # fmt: skip
+        return plain_decode(base_logits, logits_transform=logits_transform, noise=noise, token_ids=token_ids)
 
 
 # config.refiner → head class. Adding a head is one class here and its name in configuration_xpress.REFINER_TYPES.
@@ -539,21 +541,39 @@ class XPressModel(XPressPreTrainedModel):
     ) -> RefinementResult:
         """Turn one block's drafter outputs into draft tokens and the distribution each was drawn from.
 
-        hidden: (b, n, H) drafter states of the draft positions; base_logits: (b, n, V); anchor_ids: (b,).
-        `logits_transform` maps raw logits to the processed logits a token is decoded from (temperature, top-k/p);
-        `noise` is the block's fixed Gumbel noise (None → greedy). xPress runs Jacobi iterations, the Markov head a
-        serial decode, and `refiner="none"` decodes the drafter's marginals (`CorrectionHead.decode`).
+        hidden: (b, n, H) drafter states of the draft positions; base_logits: (b, n, V) over the whole vocabulary
+        (`base_logits`) or, for a drafter with a draft vocabulary, (b, n, V_d) over it (`draft_logits`); anchor_ids:
+        (b,). `logits_transform` maps raw logits to the processed logits a token is decoded from (temperature,
+        top-k/p); `noise` is the block's fixed Gumbel noise (None → greedy), shaped like `base_logits`. xPress runs
+        Jacobi iterations, the Markov head a serial decode, and `refiner="none"` decodes the drafter's marginals
+        (`CorrectionHead.decode`).
+
+        Over the draft vocabulary every iteration works on V_d-wide logits (the same distribution: q is 0 outside
+        it), so pass draft logits whenever `logits_transform` treats tokens alike whatever their id (none,
+        temperature, top-k, top-p: `vocabulary_local`); a processor that reads ids (repetition penalty, n-gram
+        blocking) needs the whole vocabulary. Tokens are target ids and logits (b, n, V) either way.
         """
-        return self.refiner.decode(
+        draft_space = self.draft_token_ids is not None and base_logits.shape[-1] != self.config.vocab_size
+        if draft_space and base_logits.shape[-1] != self.draft_token_ids.shape[0]:
+            raise ValueError(
+                f"base_logits must span the whole vocabulary ({self.config.vocab_size}) or the draft vocabulary "
+                f"({self.draft_token_ids.shape[0]}), got {base_logits.shape[-1]}: pass xpress.base_logits(...) or "
+                "xpress.draft_logits(...)"
+            )
+        result = self.refiner.decode(
             hidden,
             base_logits,
             anchor_ids,
-            to_vocabulary=None if self.draft_token_ids is None else self.to_vocabulary,
+            to_vocabulary=None if self.draft_token_ids is None or draft_space else self.to_vocabulary,
             logits_transform=logits_transform,
             noise=noise,
             max_iters=self.config.jacobi_max_iters if max_iters is None else max_iters,
             early_exit=self.config.jacobi_early_exit if early_exit is None else early_exit,
+            token_ids=self.draft_token_ids if draft_space else None,
         )
+        if draft_space:
+            result.logits = self.to_vocabulary(result.logits, fill=float("-inf"))
+        return result
 
     # --- generation ----------------------------------------------------------------------------------------------
 

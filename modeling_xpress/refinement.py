@@ -10,6 +10,11 @@ the one its token was drawn from: the processed corrected logits of the **last**
 iteration's prefix. By causality those logits depend on the noise of positions < k only, so the token at k is a
 genuine draw from them.
 
+A drafter with a draft vocabulary can decode in that vocabulary (`token_ids`: its (V_d,) target ids): the logits,
+noise and head outputs are then (..., V_d), decoded tokens are draft-vocabulary indices, mapped to target ids where
+the head reads them and in the result. Outside the draft vocabulary q is exactly 0 either way, so this is the same
+distribution at a twelfth of the vocabulary-sized work per iteration for a SmolLM2-sized vocabulary.
+
 This file travels with every saved checkpoint; it imports only torch.
 """
 
@@ -51,6 +56,11 @@ def previous_tokens(anchor_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Ten
     return torch.cat([anchor_ids.view(-1, 1), tokens[:, :-1]], dim=1)
 
 
+def target_ids(tokens: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+    """Decoded tokens as target ids: draft-vocabulary indices mapped through `token_ids`, or as they are (None)."""
+    return tokens if token_ids is None else token_ids[tokens]
+
+
 @torch.no_grad()
 def jacobi_refine(
     refiner,
@@ -64,6 +74,7 @@ def jacobi_refine(
     logits_transform: LogitsTransform | None = None,
     noise: torch.Tensor | None = None,
     init_tokens: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> RefinementResult:
     """Algorithm 1 with the folded refiner: seed from the drafter, then up to `max_iters` parallel re-decodes.
 
@@ -71,7 +82,8 @@ def jacobi_refine(
     `early_exit` the loop ends once every block has stopped. By Theorem 1 the fixed point is the sequential decode and
     is reached in at most n iterations, so early exit changes nothing but the iteration count. `init_tokens` (b, n)
     replaces the drafter seed (Theorem 1 holds from any seed). `to_vocabulary` maps δ from the refiner's readout
-    (a draft vocabulary) onto the whole vocabulary of `base_logits`.
+    (a draft vocabulary) onto the whole vocabulary of `base_logits`; with `token_ids`, `base_logits`, `noise` and δ
+    are all over the draft vocabulary instead (module docstring), and `init_tokens` are draft-vocabulary indices.
 
     `max_iters=0` is the drafter's own marginals: the seed decode, no refiner pass, `iterations` 0 — exactly what
     `plain_decode` (`refiner="none"`) drafts, so switching the head off measures its contribution in the same loop.
@@ -82,7 +94,7 @@ def jacobi_refine(
     if max_iters == 0:
         if init_tokens is not None:  # no iteration would start from them, and they were not drawn from any q
             raise ValueError("init_tokens needs max_iters >= 1: with max_iters=0 the drafter's own decode is returned")
-        return plain_decode(base_logits, logits_transform=logits_transform, noise=noise)
+        return plain_decode(base_logits, logits_transform=logits_transform, noise=noise, token_ids=token_ids)
     to_vocabulary = to_vocabulary or _identity
     prepared = refiner.prepare(hidden)  # token-independent part, once per block
     processed, tokens = decode(base_logits, logits_transform, noise)  # seed Y^0 from the drafter's marginals
@@ -92,7 +104,7 @@ def jacobi_refine(
     settled = torch.zeros(b, dtype=torch.bool, device=tokens.device)
     start = 0  # positions before `start` saw no prefix change in the last iteration: their logits stand
     for _ in range(max_iters):
-        previous = previous_tokens(anchor_ids, tokens)
+        previous = previous_tokens(anchor_ids, target_ids(tokens, token_ids))
         delta = to_vocabulary(refiner.delta_folded(prepared, previous, start=start))  # (b, n - start, V)
         tail_noise = None if noise is None else noise[:, start:]
         tail_logits, tail_tokens = decode(base_logits[:, start:] + delta, logits_transform, tail_noise)
@@ -108,7 +120,7 @@ def jacobi_refine(
         # Position k reads tokens < k: the earliest token that moved (in any block) bounds what must be recomputed.
         first_moved = torch.where(changed, moved.float().argmax(dim=1), torch.full_like(iterations, n))
         start = min(int(first_moved.min()) + 1, n - 1)
-    return RefinementResult(tokens=tokens, logits=processed, iterations=iterations)
+    return RefinementResult(tokens=target_ids(tokens, token_ids), logits=processed, iterations=iterations)
 
 
 @torch.no_grad()
@@ -121,6 +133,7 @@ def sequential_refine(
     to_vocabulary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     logits_transform: LogitsTransform | None = None,
     noise: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> RefinementResult:
     """Slow left-to-right reference: y_k from the unfolded refiner given the already decoded y_{<k}.
 
@@ -130,11 +143,13 @@ def sequential_refine(
     logits = torch.empty(b, n, v, dtype=torch.float32, device=base_logits.device)
     for k in range(n):
         # Positions > k are ignored by causality; slices stay 3-D (b, 1, V) because a logits transform takes blocks.
-        delta = (to_vocabulary or _identity)(refiner(hidden, previous_tokens(anchor_ids, tokens))[:, k : k + 1])
+        previous = previous_tokens(anchor_ids, target_ids(tokens, token_ids))
+        delta = (to_vocabulary or _identity)(refiner(hidden, previous)[:, k : k + 1])
         step_noise = None if noise is None else noise[:, k : k + 1]
         step_logits, step_tokens = decode(base_logits[:, k : k + 1] + delta, logits_transform, step_noise)
         logits[:, k], tokens[:, k] = step_logits[:, 0], step_tokens[:, 0]
-    return RefinementResult(tokens=tokens, logits=logits, iterations=torch.full((b,), n, device=tokens.device))
+    return RefinementResult(tokens=target_ids(tokens, token_ids), logits=logits,
+                            iterations=torch.full((b,), n, device=tokens.device))
 
 
 @torch.no_grad()
@@ -146,29 +161,36 @@ def markov_decode(
     to_vocabulary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     logits_transform: LogitsTransform | None = None,
     noise: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> RefinementResult:
     """The Markov head's serial decode: n dependent steps, each reading only the previous token."""
     to_vocabulary = to_vocabulary or _identity
     b, n, v = base_logits.shape
     tokens = torch.empty(b, n, dtype=torch.long, device=base_logits.device)
     logits = torch.empty(b, n, v, dtype=torch.float32, device=base_logits.device)
-    previous = anchor_ids.view(b, 1)
+    previous = anchor_ids.view(b, 1)  # a target id
     for k in range(n):
         # One position at a time, kept 3-D (b, 1, V): a logits transform takes a block of positions.
         step_noise = None if noise is None else noise[:, k : k + 1]
-        step_logits, previous = decode(base_logits[:, k : k + 1] + to_vocabulary(head.bias(previous)), logits_transform, step_noise)
+        bias = to_vocabulary(head.bias(previous))
+        step_logits, step_tokens = decode(base_logits[:, k : k + 1] + bias, logits_transform, step_noise)
+        previous = target_ids(step_tokens, token_ids)
         logits[:, k], tokens[:, k] = step_logits[:, 0], previous[:, 0]
     return RefinementResult(tokens=tokens, logits=logits, iterations=torch.full((b,), n, device=tokens.device))
 
 
 @torch.no_grad()
 def plain_decode(
-    base_logits: torch.Tensor, *, logits_transform: LogitsTransform | None = None, noise: torch.Tensor | None = None
+    base_logits: torch.Tensor,
+    *,
+    logits_transform: LogitsTransform | None = None,
+    noise: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> RefinementResult:
     """No head: every position decoded independently from the drafter's marginals (plain dFlash)."""
     processed, tokens = decode(base_logits, logits_transform, noise)
     zeros = torch.zeros(base_logits.shape[0], dtype=torch.long, device=tokens.device)
-    return RefinementResult(tokens=tokens, logits=processed, iterations=zeros)
+    return RefinementResult(tokens=target_ids(tokens, token_ids), logits=processed, iterations=zeros)
 
 
 __all__ = [
@@ -179,4 +201,5 @@ __all__ = [
     "markov_decode",
     "plain_decode",
     "previous_tokens",
+    "target_ids",
 ]

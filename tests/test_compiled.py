@@ -171,8 +171,8 @@ def test_draft_confidence_threshold_is_applied_as_in_eager(drafters, refiner):
     # each block goes through the smallest width that holds its drafts, and several widths are used
     steps = out.stats.verify_widths[: len(out.stats.draft_lengths)]  # a last step without a draft comes after them
     assert steps == [compiled.verify_width(xpress.config.block_size, m + 1) for m in out.stats.draft_lengths]
-    capped = xpress.spec_generate(target, ids, max_new_tokens=29, compile=True, assistant_confidence_threshold=threshold,
-                                  num_assistant_tokens=5)  # fmt: skip
+    capped = xpress.spec_generate(target, ids, max_new_tokens=29, compile=True,
+                                  assistant_confidence_threshold=threshold, num_assistant_tokens=5)  # fmt: skip
     assert set(capped.stats.verify_widths) <= {2, 4, 6}
     assert len(set(out.stats.verify_widths)) > 1
     assert_same_run(out, xpress.spec_generate(target, ids, max_new_tokens=29, assistant_confidence_threshold=threshold))

@@ -77,6 +77,72 @@ def test_q_is_zero_outside_the_draft_vocabulary(target):
     torch.testing.assert_close(logits[..., inside], target.lm_head(hidden[:, 1:])[..., inside])
 
 
+@pytest.mark.parametrize("sampling", [False, True])
+@pytest.mark.parametrize("refiner", REFINERS)
+def test_decoding_over_the_draft_vocabulary_equals_decoding_over_the_whole_one(target, refiner, sampling):
+    """`refine` given the drafter's logits over its draft vocabulary (the fast path: every Jacobi iteration works on
+    V_d-wide logits) returns the tokens and the whole-vocabulary q of `refine` given them over the whole vocabulary,
+    greedy and sampling (temperature, top-k, top-p; the same Gumbel draws on the draft vocabulary's ids)."""
+    from modeling_xpress.generation import processors_transform
+
+    torch.manual_seed(3)
+    vocabulary = torch.randperm(96)[:40].tolist()  # not sorted: draft indices are not target ids
+    xpress = with_vocabulary(tiny_xpress(target, refiner=refiner), vocabulary)
+    lm_head = target.get_output_embeddings()
+    ids = torch.tensor(vocabulary)
+    anchor = torch.tensor([vocabulary[7], 50, 11])  # anchors need not lie in the draft vocabulary
+    hidden = torch.randn(3, xpress.config.block_size, 64)
+    whole, draft = xpress.base_logits(hidden, lm_head), xpress.draft_logits(hidden, lm_head)
+    assert draft.shape[-1] == 40 and torch.equal(whole[..., ids], draft)
+    kwargs = {}
+    if sampling:
+        noise = torch.distributions.Gumbel(0.0, 1.0).sample(whole.shape)
+        transform = processors_transform(sampling_processors(0.7, 20, 0.9), anchor.view(-1, 1))
+        kwargs = {"logits_transform": transform}
+        full = xpress.refine(hidden[:, 1:], whole, anchor, noise=noise, **kwargs)
+        fast = xpress.refine(hidden[:, 1:], draft, anchor, noise=noise[..., ids].contiguous(), **kwargs)
+    else:
+        full = xpress.refine(hidden[:, 1:], whole, anchor)
+        fast = xpress.refine(hidden[:, 1:], draft, anchor)
+    assert torch.equal(fast.tokens, full.tokens) and torch.equal(fast.iterations, full.iterations)
+    assert set(fast.tokens.flatten().tolist()) <= set(vocabulary)
+    outside = ~torch.isin(torch.arange(96), ids)
+    assert fast.logits.shape == full.logits.shape and torch.isinf(fast.logits[..., outside]).all()
+    torch.testing.assert_close(fast.logits, full.logits)
+    if refiner != "none":
+        assert len(set(fast.tokens[0].tolist())) > 1  # really decoding, not a constant block
+    with pytest.raises(ValueError, match=r"whole vocabulary \(96\) or the draft vocabulary \(40\), got 39"):
+        xpress.refine(hidden[:, 1:], draft[..., :39], anchor)
+
+
+def test_only_id_blind_processors_decode_over_the_draft_vocabulary(target):
+    """Temperature/top-k/top-p read values only; a repetition penalty reads ids, so its drafts are decoded over the
+    whole vocabulary, and greedy decoding with it is still the target's own."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from modeling_xpress.generation import vocabulary_local
+
+    assert vocabulary_local(None) and vocabulary_local(LogitsProcessorList())
+    assert vocabulary_local(sampling_processors(0.7, 5, 0.9))
+    assert not vocabulary_local(LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)]))
+    xpress = with_vocabulary(tiny_xpress(target), list(range(0, 96, 2)))
+    widths = []
+    original = xpress.refine
+
+    def spy(hidden, base_logits, *args, **kwargs):
+        widths.append(base_logits.shape[-1])
+        return original(hidden, base_logits, *args, **kwargs)
+
+    xpress.refine = spy
+    ids = prompts(96)[0]
+    expected = target.generate(ids, max_new_tokens=20, do_sample=False, repetition_penalty=1.3)
+    assert torch.equal(xpress.spec_generate(target, ids, max_new_tokens=20, repetition_penalty=1.3).sequences, expected)
+    assert set(widths) == {96}
+    widths.clear()
+    xpress.spec_generate(target, ids, max_new_tokens=20)
+    assert set(widths) == {48}
+
+
 @pytest.mark.parametrize("top_p", [None, 0.8])
 @pytest.mark.parametrize("refiner", ["xpress", "markov"])
 def test_lossless_when_the_draft_vocabulary_misses_a_likely_token(refiner, top_p):
