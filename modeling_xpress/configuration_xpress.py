@@ -170,10 +170,9 @@ class XPressConfig(PreTrainedConfig):
     # no cut. A `generate(..., assistant_confidence_threshold=...)` or `spec_generate(...,
     # assistant_confidence_threshold=...)` call overrides it. (transformers' own assistants stop at the first token
     # whose *own* probability is below their threshold; this one is cumulative, over the block.) It pays where a
-    # long verification costs more than a short one: the bundled SmolLM2 checkpoint carries 0.3, chosen on held-out
-    # training prompts on a CPU, where a 16-token verification costs ~1.4 decoding steps
-    # (examples/choose_draft_length.py: 0.82x -> 0.86x of plain decoding). Where verifying a whole block costs about
-    # one step (a GPU), no cut is the better default.
+    # long verification costs more than a short one, e.g. fp32 on a CPU (choose it on held-out prompts with
+    # examples/choose_draft_length.py). Where verifying a whole block costs about one step (a GPU, bf16 on a CPU with
+    # AMX), no cut is the better default.
     draft_confidence_threshold: float | None = None
     # At most this many drafts verified per block, in 1..block_size - 1 (transformers' `num_assistant_tokens`, same
     # name and meaning). None → the whole block (block_size - 1). A call's `num_assistant_tokens` overrides it.
