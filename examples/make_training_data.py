@@ -3,6 +3,9 @@
     python examples/make_training_data.py --n-prompts 2400 --max-new-tokens 256 --batch-size 32 \
         --out data/smollm2_responses --shard-dir cache/regen_shards
 
+    python examples/make_training_data.py --kinds task --n-prompts 3200 --dtype bfloat16 \
+        --out data/smollm2_task_responses --shard-dir cache/regen_task_shards      # task-shaped prompts
+
 On a 2-core CPU this takes the better part of an hour, so run it in the background. Finished shards
 are kept in --shard-dir; rerunning the same command resumes where it stopped. The result is
 <out>/responses.parquet (columns input_ids, loss_mask) and <out>/meta.json (counts, token totals,
@@ -20,7 +23,7 @@ import torch
 import transformers
 
 from modeling_xpress import assets
-from modeling_xpress.prompts import training_prompts
+from modeling_xpress.prompts import PROMPT_KINDS, TASK_KINDS, training_prompts
 from modeling_xpress.regeneration import SHARD_MANIFEST, regenerate_responses
 
 
@@ -31,6 +34,9 @@ def parse_args() -> argparse.Namespace:
                         help="answer prompts first..n-1 only: training_prompts(n) is prefix-stable, so a larger set "
                              "can extend an existing one (e.g. --n-prompts 7200 --first-prompt 2400)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt generator (and of sampling)")
+    parser.add_argument("--kinds", choices=["default", "task"], default="default",
+                        help="default: code, math and chat prompts; task: function stubs, role play, extraction, "
+                        "reasoning puzzles and essays (modeling_xpress.prompts.TASK_KINDS; prompts 3000..3199 held out)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--shard-size", type=int, default=64)
@@ -71,7 +77,8 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = assets.load_smollm2(dtype=assets.DTYPES[args.dtype])
-    prompts = training_prompts(args.n_prompts, seed=args.seed)
+    kinds = TASK_KINDS if args.kinds == "task" else PROMPT_KINDS
+    prompts = training_prompts(args.n_prompts, seed=args.seed, kinds=kinds)
     if not 0 <= args.first_prompt < args.n_prompts:
         raise SystemExit(f"--first-prompt must be in [0, {args.n_prompts}), got {args.first_prompt}")
     prompts = prompts.select(range(args.first_prompt, args.n_prompts))
@@ -103,7 +110,7 @@ def main() -> None:
             "dtype": args.dtype,
         },
         "prompts": {"generator": "modeling_xpress.prompts.training_prompts", "n": len(prompts), "seed": args.seed,
-                    "indices": [args.first_prompt, args.n_prompts]},
+                    "indices": [args.first_prompt, args.n_prompts], "kinds": list(kinds)},
         "generation": {
             "max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample,
             "temperature": args.temperature if args.do_sample else None, "batch_size": args.batch_size,

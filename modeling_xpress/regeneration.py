@@ -363,26 +363,49 @@ held-out split of the SmolLM2 training data: used to choose defaults (draft leng
 stops improving, never trained on, and never the evaluation sets (HumanEval, MT-Bench)."""
 
 
-def held_out_prompts(count: int) -> list[str]:
-    """The first `count` held-out prompt texts (`HELD_OUT_PROMPTS` of `training_prompts(seed=0)`): for choosing
-    settings and for quick measurements that must not touch the training rows or the evaluation sets."""
-    from .prompts import training_prompts
+TASK_HELD_OUT_PROMPTS = range(3000, 3200)
+"""The same for the task-shaped prompts, `training_prompts(n, seed=0, kinds=TASK_KINDS)` (any n ≥ 3200)."""
 
-    if not 1 <= count <= len(HELD_OUT_PROMPTS):
-        raise ValueError(f"count must be between 1 and {len(HELD_OUT_PROMPTS)} held-out prompts, got {count}")
-    first = HELD_OUT_PROMPTS.start
-    return list(training_prompts(first + count)["prompt"][first:])
+TASK_INDEX_OFFSET = 1_000_000
+"""Where task-shaped prompt indices start in a joined training set (`load_response_sets`): the two generators number
+their prompts from 0 each, and a joined set must tell prompt 5 of one from prompt 5 of the other."""
+
+
+def _kinds_offset(kinds) -> int:
+    from .prompts import PROMPT_KINDS, TASK_KINDS
+
+    offsets = {PROMPT_KINDS: 0, TASK_KINDS: TASK_INDEX_OFFSET}
+    if tuple(kinds) not in offsets:
+        raise ValueError(f"prompt kinds {list(kinds)} are not a known generator: use PROMPT_KINDS or TASK_KINDS")
+    return offsets[tuple(kinds)]
+
+
+def held_out_prompts(count: int, kinds=None) -> list[str]:
+    """The first `count` held-out prompt texts (`HELD_OUT_PROMPTS` of `training_prompts(seed=0)`, or with
+    `kinds=TASK_KINDS` `TASK_HELD_OUT_PROMPTS` of the task-shaped generator): for choosing settings and for quick
+    measurements that must not touch the training rows or the evaluation sets."""
+    from .prompts import PROMPT_KINDS, training_prompts
+
+    kinds = PROMPT_KINDS if kinds is None else tuple(kinds)
+    held = HELD_OUT_PROMPTS if _kinds_offset(kinds) == 0 else TASK_HELD_OUT_PROMPTS
+    if not 1 <= count <= len(held):
+        raise ValueError(f"count must be between 1 and {len(held)} held-out prompts, got {count}")
+    return list(training_prompts(held.start + count, kinds=kinds)["prompt"][held.start :])
 
 
 def response_prompt_indices(folder: str | os.PathLike) -> range:
     """The prompt indices of a folder written by `examples/make_training_data.py`, from its `meta.json`: rows are in
-    prompt order, `prompts.indices` = [first, end) (absent in sets that start at 0)."""
+    prompt order, `prompts.indices` = [first, end) (absent in sets that start at 0), shifted by `TASK_INDEX_OFFSET`
+    for task-shaped prompts (`prompts.kinds`; absent in sets of the default kinds)."""
+    from .prompts import PROMPT_KINDS
+
     meta_path = Path(folder) / "meta.json"
     if not meta_path.is_file():
         raise ValueError(f"{folder} has no meta.json: pass a folder written by examples/make_training_data.py")
     prompts = json.loads(meta_path.read_text())["prompts"]
     first, end = prompts.get("indices", [0, prompts["n"]])
-    return range(first, end)
+    offset = _kinds_offset(prompts.get("kinds", PROMPT_KINDS))
+    return range(offset + first, offset + end)
 
 
 def load_response_sets(
@@ -392,9 +415,10 @@ def load_response_sets(
 
     Each row gains a `prompt_index` column. A prompt index that appears in two folders is refused (the same prompt
     twice would weigh it double and may leak across the split). `held_out` (default `HELD_OUT_PROMPTS`) rows go to
-    the second dataset only.
+    the second dataset only (and, by default, `TASK_HELD_OUT_PROMPTS` of task-shaped sets).
     """
-    held = set(HELD_OUT_PROMPTS if held_out is None else held_out)
+    default = set(HELD_OUT_PROMPTS) | {TASK_INDEX_OFFSET + i for i in TASK_HELD_OUT_PROMPTS}
+    held = default if held_out is None else set(held_out)
     parts, seen = [], set()
     for folder in folders:
         indices = response_prompt_indices(folder)

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from modeling_xpress import assets
-from modeling_xpress.prompts import training_prompts
+from modeling_xpress.prompts import PROMPT_KINDS, TASK_KINDS, training_prompts
 from modeling_xpress.regeneration import load_response_sets, load_responses, regenerate_responses
 
 PAD, EOS = 0, 1
@@ -232,13 +232,61 @@ def test_load_responses_reads_a_parquet_file(tmp_path):
         load_responses(tmp_path / "nothing-here")
 
 
-def write_response_set(folder, first: int, end: int, with_indices: bool = True) -> None:
+def write_response_set(folder, first: int, end: int, with_indices: bool = True, kinds=None) -> None:
     """A folder as make_training_data.py writes it: rows in prompt order, meta.json naming the prompt indices."""
     folder.mkdir(parents=True)
     rows = {"input_ids": [[i, i + 1, i + 2] for i in range(first, end)], "loss_mask": [[0, 1, 1]] * (end - first)}
     datasets.Dataset.from_dict(rows).to_parquet(str(folder / "responses.parquet"))
     prompts = {"n": end - first, "seed": 0} | ({"indices": [first, end]} if with_indices else {})
+    prompts |= {"kinds": list(kinds)} if kinds is not None else {}
     (folder / "meta.json").write_text(json.dumps({"prompts": prompts}))
+
+
+def test_task_shaped_sets_join_apart_from_the_default_prompts_and_keep_their_own_held_out_rows(tmp_path):
+    """Both generators number prompts from 0: a task-shaped set's indices are offset in a joined set, and its
+    held-out prompts (TASK_HELD_OUT_PROMPTS) are held out by default, as are the default generator's."""
+    from modeling_xpress.regeneration import (
+        HELD_OUT_PROMPTS, TASK_HELD_OUT_PROMPTS, TASK_INDEX_OFFSET, held_out_prompts,
+    )  # fmt: skip
+
+    write_response_set(tmp_path / "default", 6998, 7002, kinds=PROMPT_KINDS)
+    write_response_set(tmp_path / "task", 2998, 3002, kinds=TASK_KINDS)
+    train, held = load_response_sets([tmp_path / "default", tmp_path / "task"])
+    offset = TASK_INDEX_OFFSET
+    assert train["prompt_index"] == [6998, 6999, offset + 2998, offset + 2999]
+    assert held["prompt_index"] == [7000, 7001, offset + 3000, offset + 3001]
+    assert HELD_OUT_PROMPTS.start == 7000 and TASK_HELD_OUT_PROMPTS.start == 3000
+    write_response_set(tmp_path / "odd", 0, 2, kinds=["code", "poetry"])
+    with pytest.raises(ValueError, match=r"not a known generator"):
+        load_response_sets([tmp_path / "odd"])
+    texts = held_out_prompts(3, kinds=TASK_KINDS)
+    assert texts == training_prompts(3003, kinds=TASK_KINDS)["prompt"][3000:]
+    assert held_out_prompts(2) == training_prompts(7002)["prompt"][7000:]
+
+
+def test_task_shaped_prompts_are_deterministic_diverse_and_not_evaluation_data():
+    prompts = training_prompts(3200, kinds=TASK_KINDS)
+    assert len(set(prompts["prompt"])) == 3200 and set(prompts["kind"]) == set(TASK_KINDS)
+    assert prompts["kind"][: len(TASK_KINDS)] == list(TASK_KINDS)  # interleaved: any prefix is balanced
+    assert training_prompts(100, kinds=TASK_KINDS)["prompt"] == prompts["prompt"][:100]
+    text = "\n".join(prompts["prompt"])
+    for evaluation_string in EVALUATION_STRINGS:
+        assert evaluation_string not in text
+    stubs = [p for p, kind in zip(prompts["prompt"], prompts["kind"]) if kind == "stub"]
+    assert all("```python\n" in p and "def " in p and ">>> " in p for p in stubs)
+    # the stubs' docstring examples are right: run as doctests against the function each stub describes
+    import doctest
+
+    from modeling_xpress.prompts import _STUBS
+
+    functions = {name: implementation for name, *_, implementation, _ in _STUBS}
+    runner, parser = doctest.DocTestRunner(verbose=False), doctest.DocTestParser()
+    for stub in stubs[:200]:
+        docstring = stub.split('"""')[1]
+        test = parser.get_doctest(docstring, dict(functions), "stub", None, 0)
+        assert test.examples and runner.run(test, out=lambda text: None).failed == 0, stub
+    with pytest.raises(ValueError, match=r"kinds must be a non-empty list"):
+        training_prompts(10, kinds=["code", "sonnets"])
 
 
 def test_response_sets_join_by_prompt_index_and_keep_the_held_out_prompts_apart(tmp_path):
