@@ -184,10 +184,9 @@ class CompiledDecoder:
 
     Four compiled calls, each with fixed shapes: `drafter` (block embedding + drafter forward on a context padded to
     B rows), `head` (the drafter's base logits through the target's lm_head), `refiner` (the head's decode) and
-    `verify` (the target on the anchor and the first drafts, one graph per `verify_widths` bucket: its processed
-    logits and the drafter's next context features). The
-    compiled calls of every decoder share code, so dynamo reuses a graph for any models of the same shapes (weights
-    and caches are graph inputs) and compiles only for new shapes.
+    `verify` (the target on the anchor and the first drafts, one graph per width: its processed logits and the
+    drafter's next context features). The compiled calls of every decoder share code, so dynamo reuses a graph for any
+    models of the same shapes (weights and caches are graph inputs) and compiles only for new shapes.
     """
 
     def __init__(self, xpress, target, max_cache_len: int, temperature: float, top_k, top_p):
