@@ -725,6 +725,18 @@ def test_a_snapshot_without_optimizer_state_continues_the_schedule_and_the_weigh
     assert resumed_rates == rates  # steps 1-3 restored from the snapshot's logs, 4-6 from the continued schedule
     with pytest.raises(ValueError, match="not a training checkpoint"):
         snapshot_checkpoint(tmp_path / "straight", tmp_path / "nothing")
+    # bf16 weights (a snapshot that must stay under the commit limit): the resumed run starts from them, rounded
+    small = snapshot_checkpoint(tmp_path / "straight" / "checkpoint-3", tmp_path / "small", weights_dtype=torch.bfloat16)
+    assert (small / "model.safetensors").stat().st_size < 0.6 * (snapshot / "model.safetensors").stat().st_size
+    again = XPressTrainer(
+        model=tiny_xpress(target, block_size=BLOCK), target=target, args=training_args(tmp_path / "again", **args),
+        train_dataset=data, callbacks=[first],
+    )  # fmt: skip
+    again.train(resume_from_checkpoint=str(small))
+    assert again.state.global_step == 6
+    for k, v in at_snapshot.items():
+        expected = v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v
+        assert torch.equal(first.weights[k], expected), k
 
 
 def test_pipeline_snapshots_the_newest_checkpoint_and_keeps_the_best_one_loadable(tmp_path):
