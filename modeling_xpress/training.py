@@ -1010,7 +1010,10 @@ def snapshot_checkpoint(checkpoint: str | os.PathLike, destination: str | os.Pat
         raise ValueError(f"{source} is not a training checkpoint (no {TRAINER_STATE_NAME} or config.json)")
     if destination.exists():
         shutil.rmtree(destination)
-    shutil.copytree(source, destination, ignore=shutil.ignore_patterns(OPTIMIZER_NAME, "optimizer.bin"))
+    # no optimizer state, and no copies of the package's code (a checkpoint is also a Hub folder): load and resume a
+    # snapshot with the package, whose code is the current one
+    ignored = shutil.ignore_patterns(OPTIMIZER_NAME, "optimizer.bin", "*.py", "custom_generate")
+    shutil.copytree(source, destination, ignore=ignored)
     if weights_dtype is not None:
         from safetensors.torch import load_file, save_file
 

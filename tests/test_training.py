@@ -705,6 +705,7 @@ def test_a_snapshot_without_optimizer_state_continues_the_schedule_and_the_weigh
     straight = run(tmp_path / "straight")
     snapshot = snapshot_checkpoint(tmp_path / "straight" / "checkpoint-3", tmp_path / "snapshot")
     assert not (snapshot / "optimizer.pt").exists() and (tmp_path / "straight" / "checkpoint-3" / "optimizer.pt").exists()
+    assert not list(snapshot.glob("*.py")) and not (snapshot / "custom_generate").exists()  # no stale code copies
     assert (snapshot / "scheduler.pt").is_file() and "step 3" in (snapshot / "SNAPSHOT.md").read_text()
     at_snapshot = XPressModel.from_pretrained(snapshot).state_dict()
 
