@@ -452,6 +452,7 @@ class XPressCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.draft_rule = draft_length_rule(xpress.config, *generation_config_draft_settings(generation_config))
         self.logits_processor = logits_processor
+        self.draft_space = vocabulary_local(logits_processor)  # decode over the draft vocabulary when allowed
         self.cache = DynamicCache(config=xpress.config)
         self.context_len = 0  # committed tokens whose features are in the drafter cache
         self.timer = SectionTimer(xpress.device)
@@ -498,7 +499,7 @@ class XPressCandidateGenerator(CandidateGenerator):
             do_sample=self.do_sample,
             stats=self.stats,
             timer=self.timer,
-            draft_space=vocabulary_local(self.logits_processor),
+            draft_space=self.draft_space,
         )
         self.context_len = anchor_pos
         length = draft_length(result, self.draft_rule.threshold, budget)
@@ -767,6 +768,7 @@ def spec_generate(
     stats.record("verify", start, timer.mark())
     prompt_len = input_ids.shape[1]
 
+    draft_space = vocabulary_local(processors)  # decode over the draft vocabulary when the processors allow it
     while sequence.shape[1] - prompt_len < max_new_tokens and not bool(torch.isin(sequence[0, -1], stop)):
         anchor_pos = sequence.shape[1] - 1
         budget = min(draft_rule.cap, max_new_tokens - (sequence.shape[1] - prompt_len) - 1)
@@ -775,7 +777,7 @@ def spec_generate(
             result = draft_block(
                 xpress, embed_tokens, lm_head, sequence[0, -1:], features.to(xpress.device), context_len, draft_cache,
                 logits_transform=transform, do_sample=do_sample, generator=generator, stats=stats, timer=timer,
-                draft_space=vocabulary_local(processors),
+                draft_space=draft_space,
             )  # fmt: skip
             context_len = anchor_pos
             length = draft_length(result, draft_rule.threshold, budget)

@@ -553,27 +553,36 @@ class XPressModel(XPressPreTrainedModel):
         temperature, top-k, top-p: `vocabulary_local`); a processor that reads ids (repetition penalty, n-gram
         blocking) needs the whole vocabulary. Tokens are target ids and logits (b, n, V) either way.
         """
-        draft_space = self.draft_token_ids is not None and base_logits.shape[-1] != self.config.vocab_size
-        if draft_space and base_logits.shape[-1] != self.draft_token_ids.shape[0]:
+        vocabulary, draft_space = self.decoding_vocabulary(base_logits)
+        result = self.refiner.decode(
+            hidden,
+            base_logits,
+            anchor_ids,
+            logits_transform=logits_transform,
+            noise=noise,
+            max_iters=self.config.jacobi_max_iters if max_iters is None else max_iters,
+            early_exit=self.config.jacobi_early_exit if early_exit is None else early_exit,
+            **vocabulary,
+        )
+        if draft_space:
+            result.logits = self.to_vocabulary(result.logits, fill=float("-inf"))
+        return result
+
+    def decoding_vocabulary(self, base_logits: torch.Tensor) -> tuple[dict, bool]:
+        """How a head decodes `base_logits`: the `to_vocabulary` / `token_ids` arguments of its decode, and whether
+        they are over the draft vocabulary (then q is expanded to the whole one afterwards). Shared by `refine` and
+        the compiled loop's Jacobi graph."""
+        if self.draft_token_ids is None:
+            return {"to_vocabulary": None, "token_ids": None}, False
+        if base_logits.shape[-1] == self.config.vocab_size:
+            return {"to_vocabulary": self.to_vocabulary, "token_ids": None}, False
+        if base_logits.shape[-1] != self.draft_token_ids.shape[0]:
             raise ValueError(
                 f"base_logits must span the whole vocabulary ({self.config.vocab_size}) or the draft vocabulary "
                 f"({self.draft_token_ids.shape[0]}), got {base_logits.shape[-1]}: pass xpress.base_logits(...) or "
                 "xpress.draft_logits(...)"
             )
-        result = self.refiner.decode(
-            hidden,
-            base_logits,
-            anchor_ids,
-            to_vocabulary=None if self.draft_token_ids is None or draft_space else self.to_vocabulary,
-            logits_transform=logits_transform,
-            noise=noise,
-            max_iters=self.config.jacobi_max_iters if max_iters is None else max_iters,
-            early_exit=self.config.jacobi_early_exit if early_exit is None else early_exit,
-            token_ids=self.draft_token_ids if draft_space else None,
-        )
-        if draft_space:
-            result.logits = self.to_vocabulary(result.logits, fill=float("-inf"))
-        return result
+        return {"to_vocabulary": None, "token_ids": self.draft_token_ids}, True
 
     # --- generation ----------------------------------------------------------------------------------------------
 

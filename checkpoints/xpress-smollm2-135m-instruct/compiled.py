@@ -260,13 +260,11 @@ class CompiledDecoder:
         xpress = self.xpress
         if folded is None:  # Markov serial decode, plain argmax, or Jacobi with K = 0: no data-dependent control flow
             result = xpress.refine(hidden, base_logits, anchor_ids, logits_transform=self.transform, noise=noise)
-        else:  # over the draft vocabulary when there is one (`_base_logits`), as `xpress.refine` decides by shape
-            draft_space = xpress.draft_token_ids is not None and base_logits.shape[-1] != xpress.config.vocab_size
-            to_vocabulary = xpress.to_vocabulary if xpress.draft_token_ids is not None and not draft_space else None
+        else:  # over the draft vocabulary when there is one (`_base_logits`), as `xpress.refine` decides
+            vocabulary, draft_space = xpress.decoding_vocabulary(base_logits)
             result = jacobi_fixed_iterations(
                 xpress.refiner, folded, hidden, base_logits, anchor_ids, iterations=self.jacobi_iters,
-                to_vocabulary=to_vocabulary, logits_transform=self.transform, noise=noise,
-                token_ids=xpress.draft_token_ids if draft_space else None,
+                logits_transform=self.transform, noise=noise, **vocabulary,
             )  # fmt: skip
             if draft_space:
                 result.logits = xpress.to_vocabulary(result.logits, fill=float("-inf"))
