@@ -47,6 +47,7 @@ Recipes (each flag can still be set by hand after `--recipe`):
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -107,6 +108,8 @@ def snapshot_stage(name: str, args: argparse.Namespace) -> Path | None:
         elif Path(best).resolve() != (Path(args.snapshots) / f"{name}-best").resolve():
             best_destination = Path(args.snapshots) / f"{name}-best"
             XPressModel.from_pretrained(best).to(dtype).save_pretrained(best_destination)
+            for code in [*best_destination.glob("*.py"), best_destination / "custom_generate"]:  # as in the snapshot
+                shutil.rmtree(code) if code.is_dir() else code.unlink(missing_ok=True)
             state["best_model_checkpoint"] = str(best_destination)
         state_file.write_text(json.dumps(state, indent=2))
     return destination
