@@ -243,6 +243,9 @@ def markdown_report(results: Mapping, plots: Mapping[str, str] | None = None) ->
         "## Mean acceptance length τ (`spec_generate`, checkpoint settings)",
         "",
     ]  # fmt: skip
+    eager = {(r["method"], r["temperature"]) for r in results["records"] if r["entry"] == "spec_generate"}
+    if any(r["entry"] == COMPILED_SPEC and (r["method"], r["temperature"]) not in eager for r in results["records"]):
+        lines += ["Where the run measured no eager `spec_generate`, τ is that of `spec_generate(compile=True)`.", ""]
     tau = {(r["method"], r["dataset"], r["temperature"]): r["tau"] for r in summary["tau"]}
     lines += _table(["method"] + [column_name(*c) for c in cols],
                     [[m] + [_fmt(tau.get((m, *c))) for c in cols] for m in results["methods"]])  # fmt: skip

@@ -420,3 +420,8 @@ def test_tau_of_a_temperature_measured_only_compiled_comes_from_the_compiled_ent
     assert taus == {0.0: 3.0, 1.0: 2.0}
     (card,) = [r for r in reports.card_rows(summary) if r["dataset"] == reports.ALL and r["temperature"] == 1.0]
     assert card["speedup_spec_generate"] is None and card["speedup_spec_generate_compiled"] == pytest.approx(2.5)
+    # the report says which entry a τ came from: a note appears only when a temperature had no eager entry
+    note = "τ is that of `spec_generate(compile=True)`"
+    assert note in reports.markdown_report({**results, "summary": summary})
+    eager_only = small_results()
+    assert note not in reports.markdown_report({**eager_only, "summary": summarize(eager_only)})
