@@ -108,8 +108,10 @@ def snapshot_stage(name: str, args: argparse.Namespace) -> Path | None:
         elif Path(best).resolve() != (Path(args.snapshots) / f"{name}-best").resolve():
             best_destination = Path(args.snapshots) / f"{name}-best"
             XPressModel.from_pretrained(best).to(dtype).save_pretrained(best_destination)
-            for code in [*best_destination.glob("*.py"), best_destination / "custom_generate"]:  # as in the snapshot
-                shutil.rmtree(code) if code.is_dir() else code.unlink(missing_ok=True)
+            # no copies of the package's code, as in the snapshot itself
+            shutil.rmtree(best_destination / "custom_generate", ignore_errors=True)
+            for code in best_destination.glob("*.py"):
+                code.unlink()
             state["best_model_checkpoint"] = str(best_destination)
         state_file.write_text(json.dumps(state, indent=2))
     return destination
