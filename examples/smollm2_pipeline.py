@@ -47,13 +47,11 @@ Recipes (each flag can still be set by hand after `--recipe`):
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from modeling_xpress import XPressModel
 from modeling_xpress.assets import DTYPES, smollm2_dir
 from modeling_xpress.plots import plot_training_curves
 from modeling_xpress.training import snapshot_checkpoint
@@ -90,15 +88,14 @@ def final_logs(folder: Path) -> dict:
 
 def snapshot_stage(name: str, args: argparse.Namespace) -> Path | None:
     """Write the newest checkpoint of a stage to `<snapshots>/<name>` without optimizer state (small enough to
-    commit; `training.snapshot_checkpoint`), and the best one's weights to `<snapshots>/<name>-best` when it is another
-    checkpoint, so the next session resumes the run and still knows its best model."""
+    commit; `training.snapshot_checkpoint`), and the best one the same way to `<snapshots>/<name>-best` when it is
+    another checkpoint, so the next session resumes the run and still knows its best model."""
     latest = last_checkpoint(Path(args.out) / name)
     if latest is None:
         return None
     dtype_name = getattr(args, "snapshot_dtype", "float32")  # the checkpoints' own dtype unless asked otherwise
-    dtype = DTYPES[dtype_name]
-    destination = snapshot_checkpoint(latest, Path(args.snapshots) / name,
-                                      weights_dtype=None if dtype_name == "float32" else dtype)  # fmt: skip
+    weights_dtype = None if dtype_name == "float32" else DTYPES[dtype_name]
+    destination = snapshot_checkpoint(latest, Path(args.snapshots) / name, weights_dtype=weights_dtype)
     state_file = destination / "trainer_state.json"
     state = json.loads(state_file.read_text())
     best = state.get("best_model_checkpoint")
@@ -107,11 +104,7 @@ def snapshot_stage(name: str, args: argparse.Namespace) -> Path | None:
             state["best_model_checkpoint"] = str(destination)
         elif Path(best).resolve() != (Path(args.snapshots) / f"{name}-best").resolve():
             best_destination = Path(args.snapshots) / f"{name}-best"
-            XPressModel.from_pretrained(best).to(dtype).save_pretrained(best_destination)
-            # no copies of the package's code, as in the snapshot itself
-            shutil.rmtree(best_destination / "custom_generate", ignore_errors=True)
-            for code in best_destination.glob("*.py"):
-                code.unlink()
+            snapshot_checkpoint(best, best_destination, weights_dtype=weights_dtype)
             state["best_model_checkpoint"] = str(best_destination)
         state_file.write_text(json.dumps(state, indent=2))
     return destination
