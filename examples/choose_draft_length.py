@@ -8,6 +8,8 @@ hit every entry alike), greedy, and writes the raw records and a summary as JSON
 
 The prompts are a held-out split of the training data: `training_prompts(7200, seed=0)` rows 7000..7199 are generated
 like the training prompts but reserved — never trained on — for choices like this one. Never HumanEval / MT-Bench.
+`--kinds task` takes them from the task-shaped set's held-out rows instead (`TASK_HELD_OUT_PROMPTS`: function stubs,
+role play, extraction, puzzles, essays), closer in shape to the evaluation sets without being them.
 
     python examples/choose_draft_length.py                      # bundled checkpoint, bf16, 1 thread, 10 prompts
     python examples/choose_draft_length.py --thresholds none,0.2,0.4 --caps 4,8 --prompts 20
@@ -31,7 +33,8 @@ from modeling_xpress.assets import DTYPES, load_smollm2
 from modeling_xpress.benchmark import chat_prompt_ids, environment_info, method_info, run_plain
 from modeling_xpress.demo import BUNDLED_CHECKPOINT
 from modeling_xpress.generation import WallClock, spec_generate
-from modeling_xpress.regeneration import HELD_OUT_PROMPTS, held_out_prompts
+from modeling_xpress.prompts import TASK_KINDS
+from modeling_xpress.regeneration import HELD_OUT_PROMPTS, TASK_HELD_OUT_PROMPTS, held_out_prompts
 
 def settings_of(thresholds: list[float | None], caps: list[int], heads_off: list[float | None]) -> list[dict]:
     """Named spec_generate settings. A threshold of None runs as 0 (no cut) so that the config default, whatever it
@@ -90,6 +93,8 @@ def main() -> None:
     parser.add_argument("--caps", default="", help="fixed caps (num_assistant_tokens) to compare, e.g. 4,8")
     parser.add_argument("--heads-off", default="none", help="thresholds also run with jacobi_max_iters=0")
     parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--kinds", choices=["default", "task"], default="default",
+                        help="held-out prompts of the default training set or of the task-shaped one")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--threads", type=int, default=1)
@@ -104,7 +109,9 @@ def main() -> None:
 
     target, tokenizer = load_smollm2(dtype=DTYPES[args.dtype])
     xpress = XPressModel.from_pretrained(args.checkpoint, dtype=DTYPES[args.dtype]).eval()
-    prompts = chat_prompt_ids(tokenizer, held_out_prompts(args.prompts))
+    kinds = TASK_KINDS if args.kinds == "task" else None
+    prompts = chat_prompt_ids(tokenizer, held_out_prompts(args.prompts, kinds=kinds))
+    held = TASK_HELD_OUT_PROMPTS if args.kinds == "task" else HELD_OUT_PROMPTS
     caps = [int(c) for c in args.caps.split(",") if c.strip()]
     settings = settings_of(parse_thresholds(args.thresholds), caps, parse_thresholds(args.heads_off))
     entries = ["plain"] + [s["name"] for s in settings]
@@ -148,8 +155,8 @@ def main() -> None:
     best = max(thresholds, key=lambda name: summary[name]["tokens_per_s"])
     results = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "held_out_split": {"training_prompts_n": HELD_OUT_PROMPTS.stop, "seed": 0,
-                           "rows": [HELD_OUT_PROMPTS.start, HELD_OUT_PROMPTS.start + len(prompts) - 1]},  # fmt: skip
+        "held_out_split": {"kinds": args.kinds, "training_prompts_n": held.stop, "seed": 0,
+                           "rows": [held.start, held.start + len(prompts) - 1]},  # fmt: skip
         "arguments": vars(args),
         "note": args.note,
         "environment": environment_info(target),

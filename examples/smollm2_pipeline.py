@@ -11,7 +11,8 @@ A stage whose output folder already holds a final model is skipped; an interrupt
 checkpoint. `<out>/training_summary.json` records each stage's command, configuration, steps, wall time and final
 logged losses.
 
-    python examples/smollm2_pipeline.py --out runs/v3 --recipe v3   # issue 10: the run the next checkpoint comes from
+    python examples/smollm2_pipeline.py --out runs/v6 --recipe v6-task   # issue 10: the newest run
+    python examples/smollm2_pipeline.py --out runs/v3 --recipe v3
     python examples/smollm2_pipeline.py --out runs/v2 --recipe v2   # the bundled checkpoint's run
 
 Recipes (each flag can still be set by hand after `--recipe`):
@@ -28,6 +29,13 @@ Recipes (each flag can still be set by hand after `--recipe`):
   target's layers 1 and 27 (`--target-layer-ids`), so it trains from the v3 signal cache at the same budget (6,000
   steps, same schedule); then the Markov and xPress heads on it, frozen, as in `v3-heads`. v3's held-out estimate was
   still rising when its schedule ended, and a 2-layer drafter is shallow next to dFlash's 5 for a 36-layer target.
+* `v6-task` — the v5 drafter (`drafter-best`) continued on task-shaped data: the 3,000 training rows of
+  `data/smollm2_task_responses` (function stubs, role play, extraction, puzzles, essays; `make_training_data.py --kinds
+  task`) mixed with the 2,400 rows of `data/smollm2_responses` so the general prompts stay in view, 2,500 steps of a
+  fresh cosine schedule from 1.5e-4 (half v4's, warm-up 100: v4's 3e-4 restart lost held-out τ), selected on 100 of
+  the task set's held-out prompts (3000..3199), evaluated before the first step too (`--eval-on-start`: the v5 drafter's
+  own figure there); then the Markov and xPress heads on it, frozen, as in `v3-heads`. The evaluation prompts are far
+  from the v3 data (held-out greedy τ 2.49, evaluation 1.67), and this is the cheapest way to move the drafter there.
 * `v3-heads` — the Markov and xPress heads trained alone (`--train_mode refiner`) on the committed v3 drafter, frozen,
   1,500 steps each at 1e-3: the v3 head stages restarted the co-trained drafter's learning rate at 6e-4 and ended
   below the drafter they started from, so the heads could not be compared with the drafter itself.
@@ -133,6 +141,12 @@ RECIPES = {
                 "head_steps": 1500, "save_steps": 250, "stages": ["drafter", "markov", "xpress"],
                 "head_train_mode": "refiner", "head_learning_rate": 1e-3, "snapshot_dtype": "bfloat16",
                 "snapshots": "checkpoints/training/smollm2-v5"},
+    "v6-task": {"data": "data/smollm2_responses,data/smollm2_task_responses",
+                "continue_from": "checkpoints/training/smollm2-v5/drafter-best", "signal_cache": "cache/signals-smollm2-v6",
+                "eval_held_out": 100, "eval_on_start": True, "drafter_steps": 2500, "learning_rate": 1.5e-4,
+                "warmup_steps": 100, "head_steps": 1500, "save_steps": 250, "stages": ["drafter", "markov", "xpress"],
+                "head_train_mode": "refiner", "head_learning_rate": 1e-3, "snapshot_dtype": "bfloat16",
+                "snapshots": "checkpoints/training/smollm2-v6"},
 }  # fmt: skip
 
 
@@ -153,6 +167,8 @@ def run_stage(name: str, args: argparse.Namespace, extra: list[str], summary: di
     ]  # fmt: skip
     if args.signal_cache:
         command += ["--signal_cache", args.signal_cache]
+    if args.eval_held_out and args.eval_on_start and name == "drafter":
+        command += ["--eval_on_start", "true"]  # the step-0 figure: the drafter the run starts from
     if args.eval_held_out:
         command += [
             "--eval_held_out", str(args.eval_held_out), "--eval_strategy", "steps", "--eval_steps", str(args.save_steps),
@@ -187,6 +203,9 @@ def main() -> None:
     parser.add_argument("--draft-vocab-size", type=int, help="drafter stage: frequency-ranked draft vocabulary")
     parser.add_argument("--signal-cache", help="folder of the target's cached signals, shared by every stage")
     parser.add_argument("--eval-held-out", type=int, help="held-out rows evaluated every --save-steps (0: none)")
+    parser.add_argument("--eval-on-start", action="store_true",
+                        help="drafter stage: evaluate before the first step (the figure of the drafter it continues)")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="drafter stage: learning-rate warm-up")
     parser.add_argument("--patience", type=int, default=4, help="evaluations without a better eval_tau_estimate")
     parser.add_argument("--save-steps", type=int, default=50)
     parser.add_argument("--snapshots", help="folder of committed snapshots: a stage with no local checkpoint resumes "
@@ -238,10 +257,10 @@ def main() -> None:
     for stage in args.stages:
         if stage == "drafter":
             extra = ["--refiner", "none", "--block_size", "16", "--num_draft_layers", str(args.num_draft_layers),
-                     "--max_steps", str(args.drafter_steps), "--warmup_steps", "20"]  # fmt: skip
+                     "--max_steps", str(args.drafter_steps), "--warmup_steps", str(args.warmup_steps)]  # fmt: skip
             if args.continue_from:  # its architecture and draft vocabulary come with it
                 extra = ["--refiner", "none", "--init_from", args.continue_from, "--max_steps",
-                         str(args.drafter_steps), "--warmup_steps", "20"]  # fmt: skip
+                         str(args.drafter_steps), "--warmup_steps", str(args.warmup_steps)]  # fmt: skip
             else:
                 if args.drafter_init == "target":
                     extra += ["--init_from_target_layers", "last"]

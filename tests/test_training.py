@@ -771,7 +771,7 @@ def test_pipeline_snapshots_the_newest_checkpoint_and_keeps_the_best_one_loadabl
 
 
 def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_path, monkeypatch):
-    """smollm2_pipeline recipes v3-heads / v4 / v5-deep: the head stages train the head alone (--train_mode refiner) from the
+    """smollm2_pipeline recipes v3-heads / v4 / v5-deep / v6-task: the head stages train the head alone (--train_mode refiner) from the
     given drafter at the head learning rate; v4's drafter stage continues a trained drafter; a frozen-drafter run
     refuses the dflash stage (it would train nothing)."""
     import importlib.util
@@ -810,6 +810,17 @@ def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_pa
     assert flag(drafter, "--init_from_target_layers") == "last"
     assert flag(drafter, "--signal_cache") == "cache/signals-smollm2-v3"
     assert [flag(c, "--train_mode") for c in heads] == ["refiner"] * 2
+    assert flag(drafter, "--warmup_steps") == "20" and "--eval_on_start" not in drafter
+
+    commands.clear()  # v6-task: the v5 drafter continued on task-shaped data, its starting figure evaluated first
+    monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v6-task", "--out", str(tmp_path / "v6")])
+    pipeline.main()
+    drafter, *heads = commands
+    assert flag(drafter, "--init_from") == "checkpoints/training/smollm2-v5/drafter-best"
+    assert flag(drafter, "--warmup_steps") == "100" and flag(drafter, "--eval_on_start") == "true"
+    assert flag(drafter, "--data").split(",") == ["data/smollm2_responses", "data/smollm2_task_responses"]
+    assert all("--eval_on_start" not in c for c in heads)
+    assert [flag(c, "--init_from") for c in heads] == [str(tmp_path / "v6" / "drafter")] * 2
 
     monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v3-heads", "--stages", "dflash", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
