@@ -167,9 +167,9 @@ def run_stage(name: str, args: argparse.Namespace, extra: list[str], summary: di
     ]  # fmt: skip
     if args.signal_cache:
         command += ["--signal_cache", args.signal_cache]
-    if args.eval_held_out and args.eval_on_start and name == "drafter":
-        command += ["--eval_on_start", "true"]  # the step-0 figure: the drafter the run starts from
     if args.eval_held_out:
+        if args.eval_on_start and name == "drafter":
+            command += ["--eval_on_start", "true"]  # the step-0 figure: the drafter the run starts from
         command += [
             "--eval_held_out", str(args.eval_held_out), "--eval_strategy", "steps", "--eval_steps", str(args.save_steps),
             "--load_best_model_at_end", "true", "--metric_for_best_model", "eval_tau_estimate",
@@ -256,12 +256,11 @@ def main() -> None:
         return
     for stage in args.stages:
         if stage == "drafter":
-            extra = ["--refiner", "none", "--block_size", "16", "--num_draft_layers", str(args.num_draft_layers),
-                     "--max_steps", str(args.drafter_steps), "--warmup_steps", str(args.warmup_steps)]  # fmt: skip
+            extra = ["--refiner", "none", "--max_steps", str(args.drafter_steps), "--warmup_steps", str(args.warmup_steps)]
             if args.continue_from:  # its architecture and draft vocabulary come with it
-                extra = ["--refiner", "none", "--init_from", args.continue_from, "--max_steps",
-                         str(args.drafter_steps), "--warmup_steps", str(args.warmup_steps)]  # fmt: skip
+                extra += ["--init_from", args.continue_from]
             else:
+                extra += ["--block_size", "16", "--num_draft_layers", str(args.num_draft_layers)]
                 if args.drafter_init == "target":
                     extra += ["--init_from_target_layers", "last"]
                 if args.draft_vocab_size:
