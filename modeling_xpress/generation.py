@@ -694,6 +694,7 @@ def spec_generate(
     num_assistant_tokens: int | None = None,
     compile: bool = False,
     max_cache_len: int | None = None,
+    linear_layout: str = "auto",
 ) -> XPressGenerateOutput:
     """xPress speculative decoding without `generate`: prefill, then draft → refine → verify → accept → crop.
 
@@ -709,7 +710,10 @@ def spec_generate(
     compiles (`stats.time_compile`); greedy and temperature/top-k/top-p sampling only. `max_cache_len` (compile=True
     only) fixes the static caches' length instead of the bucket of this call, so calls with prompts of any length up
     to it share one compiled state, as `generate(cache_implementation="static", max_cache_len=...)` does for plain
-    decoding; it must hold the prompt, `max_new_tokens` and two blocks. Returns `.sequences` (prompt
+    decoding; it must hold the prompt, `max_new_tokens` and two blocks. `linear_layout` (compile=True only):
+    how the graphs compute `F.linear`; "auto" (default) times `x @ W.T` against `(W @ x.T).T` on the models' own
+    weights at each graph's row count once, on a CPU, and keeps the faster (on some CPU BLAS builds a few-row product
+    is several times faster weight-major); "input_major" / "weight_major" force one. Returns `.sequences` (prompt
     included) and `.stats`; the stats are also left at `xpress.generation_stats`.
     """
     check_assistant_call(target, xpress, input_ids)
@@ -726,6 +730,14 @@ def spec_generate(
     stop = stop_token_tensor(stop_token_ids, input_ids.device)
     if not isinstance(compile, bool):
         raise ValueError(f"compile must be True or False, got {compile!r}")
+    from .compiled import check_linear_layout
+
+    check_linear_layout(linear_layout)
+    if linear_layout != "auto" and not compile:
+        raise ValueError(
+            f"linear_layout={linear_layout!r} chooses how the compiled graphs compute F.linear; the eager loop "
+            "(compile=False) runs the models as they are. Pass compile=True, or drop linear_layout."
+        )
     if max_cache_len is not None and not compile:
         raise ValueError(
             "max_cache_len sizes the static caches of compile=True; the eager loop (compile=False) grows a dynamic "
@@ -738,6 +750,7 @@ def spec_generate(
         return compiled_spec_generate(
             xpress, target, input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, stop=stop, generator=generator, draft_rule=draft_rule, max_cache_len=max_cache_len,
+            linear_layout=linear_layout,
         )  # fmt: skip
     do_sample = temperature > 0
     processors = decoding_processors(temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size, logits_processor)

@@ -417,3 +417,99 @@ def test_compiled_with_a_draft_vocabulary_equals_eager_and_target_greedy(targets
         out = xpress.spec_generate(target, ids, max_new_tokens=25, compile=True)
         assert torch.equal(out.sequences, expected)
         assert_same_run(out, xpress.spec_generate(target, ids, max_new_tokens=25))
+
+
+# --- the F.linear layout of the graphs (`linear_layout`) ----------------------------------------------------------
+
+
+def test_weight_major_linear_computes_f_linear():
+    """The mode computes F.linear as (W @ xᵀ)ᵀ (+ b) for 2-D and 3-D inputs, positional or keyword bias, and leaves
+    larger inputs and other functions alone."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(50, 12), torch.randn(50)
+    mode = compiled.WeightMajorLinear(max_rows=6)
+    for x in (torch.randn(3, 12), torch.randn(1, 5, 12), torch.randn(2, 3, 12)):
+        for args, kwargs in (((x, weight), {}), ((x, weight, bias), {}), ((x, weight), {"bias": bias})):
+            expected = torch.nn.functional.linear(*args, **kwargs)
+            with mode:
+                out = torch.nn.functional.linear(*args, **kwargs)
+            assert out.shape == expected.shape and torch.allclose(out, expected, atol=1e-5)
+    x = torch.randn(7, 12)  # more rows than max_rows: F.linear itself, bit for bit
+    with mode:
+        out = torch.nn.functional.linear(x, weight, bias)
+    assert torch.equal(out, torch.nn.functional.linear(x, weight, bias))
+
+
+def test_weight_major_linear_is_used_for_small_inputs_only(monkeypatch):
+    """The product goes through torch.mm with the weight as the left operand, for small inputs only."""
+    seen, mm = [], torch.mm
+
+    def counting_mm(a, b):
+        seen.append(tuple(a.shape))
+        return mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", counting_mm)
+    weight = torch.randn(50, 12)
+    with compiled.WeightMajorLinear(max_rows=6):
+        torch.nn.functional.linear(torch.randn(7, 12), weight)
+        assert seen == []
+        torch.nn.functional.linear(torch.randn(1, 4, 12), weight)
+    assert seen == [(50, 12)]
+
+
+def test_linear_layout_choice(drafters, monkeypatch):
+    """input_major: no graph weight-major; weight_major: every graph; auto: the graphs whose timing says it pays
+    (here stubbed to verification widths 3 and 5), decided once when the decoder is built."""
+    target, xpress = drafters("llama", "xpress")
+    block = xpress.config.block_size
+    assert CompiledDecoder(xpress, target, 64, 0.0, None, None, "input_major").weight_major == frozenset()
+    every = CompiledDecoder(xpress, target, 64, 0.0, None, None, "weight_major").weight_major
+    assert every == {*(("verify", w) for w in range(1, block + 1)), ("drafter", block), ("head", block - 1)}
+    asked = []
+
+    def stub(weights, rows, repeats=5):
+        asked.append((len(weights), rows))
+        return len(weights) > 1 and rows in (3, 5)
+
+    monkeypatch.setattr(compiled, "weight_major_pays", stub)
+    auto = CompiledDecoder(xpress, target, 64, 0.0, None, None, "auto").weight_major
+    assert auto == {("verify", 3), ("verify", 5)}
+    n_target = len(compiled.linear_weights(target))
+    assert (n_target, 3) in asked and (1, block - 1) in asked  # the target's weights; the readout's one matrix
+
+
+def test_weight_major_pays_times_real_weights():
+    """The timing itself runs on any weights and returns a decision; each (shape, dtype, rows, threads) is timed once."""
+    weights = [torch.randn(64, 16), torch.randn(64, 16), torch.randn(16, 64)]
+    compiled._LAYOUT_TIMINGS.clear()
+    assert compiled.weight_major_pays(weights, rows=3, repeats=3) in (True, False)
+    assert len(compiled._LAYOUT_TIMINGS) == 2  # two distinct shapes
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+def test_weight_major_graphs_equal_target_greedy_and_eager(drafters, target_name):
+    """Every graph weight-major (the layout "auto" picks on CPUs where it pays): the target's greedy output, and the
+    eager loop's run, with the short, one-block and longer prompts; the stats name the weight-major graphs."""
+    target, xpress = drafters(target_name, "xpress")
+    for i, length in enumerate(PROMPT_LENGTHS):
+        ids = prompt(target.config.vocab_size, length, seed=10 + i)
+        expected = target.generate(ids, max_new_tokens=21, do_sample=False)
+        out = xpress.spec_generate(target, ids, max_new_tokens=21, compile=True, linear_layout="weight_major")
+        assert torch.equal(out.sequences, expected)
+        assert_same_run(out, xpress.spec_generate(target, ids, max_new_tokens=21))
+        assert "verify:8" in out.stats.weight_major_graphs and "drafter:8" in out.stats.as_dict()["weight_major_graphs"]
+
+
+def test_weight_major_sampling_equals_eager_draw_for_draw(sampling_pair):
+    target, xpress = sampling_pair
+    samples = draw(xpress, target, compile=True, seed=9, draws=25, temperature=1.0, linear_layout="weight_major")
+    assert samples == draw(xpress, target, compile=False, seed=9, draws=25, temperature=1.0)
+
+
+def test_linear_layout_errors(drafters):
+    target, xpress = drafters("llama", "none")
+    ids = prompt(96, 4)
+    with pytest.raises(ValueError, match="linear_layout must be one of 'auto', 'input_major', 'weight_major'"):
+        xpress.spec_generate(target, ids, max_new_tokens=4, compile=True, linear_layout="transposed")
+    with pytest.raises(ValueError, match="Pass compile=True, or drop linear_layout"):
+        xpress.spec_generate(target, ids, max_new_tokens=4, linear_layout="weight_major")

@@ -30,11 +30,16 @@ the first call pays compilation; `stats.time_compile` says how long it took. `re
 This file travels with every saved checkpoint; it imports only torch, transformers and its siblings.
 """
 
+import contextlib
+import statistics
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
@@ -55,6 +60,11 @@ from .refinement import RefinementResult, decode, gumbel_noise, previous_tokens,
 LENGTH_BUCKET = 256
 # Compiled decoders kept alive at once (each holds two static caches); the least recently used is released first.
 MAX_DECODERS = 8
+# How the compiled graphs compute `F.linear` (`spec_generate(..., linear_layout=...)`): "auto" times both layouts on
+# the models' own weights once per row count and keeps the faster one (on a GPU it keeps "input_major").
+LINEAR_LAYOUTS = ("auto", "input_major", "weight_major")
+# Weight-major pays only if it is at least this much faster on the timed weights (timing noise is a few percent).
+WEIGHT_MAJOR_MARGIN = 0.9
 
 
 @dataclass
@@ -65,9 +75,12 @@ class CompiledGenerationStats(XPressGenerationStats):
     time_compile: float = 0.0
     # tokens each verification ran through the target: its bucketed width W (the eager loop's is draft length + 1)
     verify_widths: list[int] = field(default_factory=list)
+    # the decoder's graphs that compute F.linear weight-major, as "name:rows" (`spec_generate`'s linear_layout)
+    weight_major_graphs: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {**super().as_dict(), "time_compile": self.time_compile, "verify_widths": list(self.verify_widths)}
+        return {**super().as_dict(), "time_compile": self.time_compile, "verify_widths": list(self.verify_widths),
+                "weight_major_graphs": list(self.weight_major_graphs)}  # fmt: skip
 
 
 def verify_widths(widest: int) -> list[int]:
@@ -80,6 +93,95 @@ def verify_widths(widest: int) -> list[int]:
 def verify_width(widest: int, tokens: int) -> int:
     """The smallest of `verify_widths(widest)` that holds `tokens` (anchor + the drafts to verify)."""
     return next(w for w in verify_widths(widest) if w >= tokens)
+
+
+# --- CPU matmul layout -------------------------------------------------------------------------------------------
+# A verification multiplies a few rows (anchor + drafts) by every weight of the target. Some CPU BLAS builds run
+# `F.linear(x, W)` = x·Wᵀ for 2–3 rows through a per-row path: on the 2-core AMD EPYC of this project (MKL, fp32) the
+# SmolLM2 lm_head (49,152 × 576) took 6.8 ms for 1 row, 20 ms for 3 and 9.8 ms for 4, and a 3-token verification cost
+# two plain decoding steps. The same product computed weight-major, (W·xᵀ)ᵀ, is one streaming pass over W: 3.1 ms for
+# 3 rows. Which layout is faster depends on the CPU and the BLAS build, so "auto" times both (`weight_major_pays`).
+
+
+class WeightMajorLinear(TorchFunctionMode):
+    """Inside this mode `F.linear(x, W, b)` with at most `max_rows` rows of x is computed as `(W @ x_2dᵀ)ᵀ + b`: the
+    same product, another operand order for the BLAS. Entered inside a compiled function, it is traced into the graph
+    (no Python cost per call). Other functions, and larger inputs, are untouched."""
+
+    def __init__(self, max_rows: int):
+        super().__init__()
+        self.max_rows = max_rows
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+            if weight.dim() == 2 and x.dim() >= 2 and 0 < rows <= self.max_rows:
+                out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()
+                if bias is not None:
+                    out = out + bias
+                return out.reshape(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
+
+
+_LAYOUT_TIMINGS: dict[tuple, tuple[float, float]] = {}
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def linear_weights(*modules: nn.Module) -> list[torch.Tensor]:
+    """The weights of every `nn.Linear` in the modules (each tensor once: a tied lm_head counts once)."""
+    seen, weights = set(), []
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, nn.Linear) and id(sub.weight) not in seen:
+                seen.add(id(sub.weight))
+                weights.append(sub.weight)
+    return weights
+
+
+@torch.no_grad()
+def weight_major_pays(weights, rows: int, repeats: int = 5) -> bool:
+    """Whether `F.linear` over `rows` input rows is faster weight-major than input-major on these weights: the sum of
+    each distinct weight shape's median time, times how many weights have that shape, by at least
+    `WEIGHT_MAJOR_MARGIN`. Timed on the weights themselves (their memory layout is what the BLAS reads); each (shape,
+    dtype, rows, threads) is timed once per process."""
+    by_shape: dict[tuple, list[torch.Tensor]] = {}
+    for weight in weights:
+        by_shape.setdefault((tuple(weight.shape), weight.dtype, weight.device.type), []).append(weight)
+    input_major = weight_major = 0.0
+    for key, group in by_shape.items():
+        timing_key = (*key, rows, torch.get_num_threads())
+        if timing_key not in _LAYOUT_TIMINGS:
+            weight = group[0]
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            _LAYOUT_TIMINGS[timing_key] = (
+                _median_seconds(lambda: F.linear(x, weight), repeats),
+                _median_seconds(lambda: torch.mm(weight, x.t()).t(), repeats),
+            )
+        t_input, t_weight = _LAYOUT_TIMINGS[timing_key]
+        input_major += len(group) * t_input
+        weight_major += len(group) * t_weight
+    return weight_major < WEIGHT_MAJOR_MARGIN * input_major
+
+
+def check_linear_layout(linear_layout) -> None:
+    if linear_layout not in LINEAR_LAYOUTS:
+        raise ValueError(
+            f"linear_layout must be one of {', '.join(map(repr, LINEAR_LAYOUTS))}, got {linear_layout!r}: 'auto' "
+            "times both layouts on the models' weights and keeps the faster, 'input_major' is F.linear as is, "
+            "'weight_major' computes it as (W @ x.T).T."
+        )
 
 
 def _graphs_compiled() -> int:
@@ -189,7 +291,8 @@ class CompiledDecoder:
     models of the same shapes (weights and caches are graph inputs) and compiles only for new shapes.
     """
 
-    def __init__(self, xpress, target, max_cache_len: int, temperature: float, top_k, top_p):
+    def __init__(self, xpress, target, max_cache_len: int, temperature: float, top_k, top_p,
+                 linear_layout: str = "auto"):  # fmt: skip
         self.xpress, self.target = xpress, target
         self.block = xpress.config.block_size
         self.max_cache_len = max_cache_len
@@ -210,12 +313,38 @@ class CompiledDecoder:
         )
         self.cuda = target.device.type == "cuda"
         mode = "reduce-overhead" if self.cuda else None  # CUDA graphs on a GPU; plain inductor kernels on CPU
+        self.linear_layout = linear_layout
+        self.weight_major = self._choose_layouts(linear_layout)
         self.compile_seconds = 0.0
         self.verified_widths: set[int] = set()  # verification widths whose graph is compiled
         self.drafter = _TimedCompile(self._draft, self, mode)
         self.head = _TimedCompile(self._base_logits, self, mode)
         self.refiner = _TimedCompile(self._refine, self, mode)
         self.verify = _TimedCompile(self._verify, self, mode)
+
+    def _choose_layouts(self, linear_layout: str) -> frozenset:
+        """The graphs, as (name, rows), that compute `F.linear` weight-major: decided once here, before any graph is
+        traced, and never changed (a graph reads this set as a constant). "auto" times both layouts on each graph's
+        weights: the target's at every verification width 1..B, the drafter's at B rows, the readout at B - 1."""
+        rows_of = {("verify", w): w for w in range(1, self.block + 1)}
+        rows_of[("drafter", self.block)], rows_of[("head", self.block - 1)] = self.block, self.block - 1
+        if linear_layout == "input_major" or (linear_layout == "auto" and self.cuda):
+            return frozenset()
+        if linear_layout == "weight_major":
+            return frozenset(rows_of)
+        rows = self.xpress.draft_readout(self.lm_head)
+        weights = {
+            "verify": linear_weights(self.target),
+            "drafter": linear_weights(self.xpress),
+            "head": [self.lm_head.weight if rows is None else rows[0]],
+        }
+        return frozenset(graph for graph, n in rows_of.items() if weight_major_pays(weights[graph[0]], n))
+
+    def _linear_mode(self, graph: str, rows: int):
+        """The `F.linear` layout of one graph: entered inside it, so the choice is traced into the graph."""
+        if (graph, rows) in self.weight_major:
+            return WeightMajorLinear(max_rows=2 * self.block)  # the drafter's K/V read [context; block]: 2B rows
+        return contextlib.nullcontext()
 
     # --- the four graphs ------------------------------------------------------------------------------------------
 
@@ -239,14 +368,16 @@ class CompiledDecoder:
         mask = visible.view(1, 1, 1, -1).expand(1, 1, block, -1)  # (1, 1, B, S)
         _set_write_position(self.draft_cache, context_len)
         dtype = xpress.fc.weight.dtype
-        out = xpress(noise_embeds=noise_embeds.to(dtype), context_hidden_states=context.to(dtype),
-                     position_ids=position_ids, attention_mask=mask, cache=self.draft_cache)  # fmt: skip
+        with self._linear_mode("drafter", block):
+            out = xpress(noise_embeds=noise_embeds.to(dtype), context_hidden_states=context.to(dtype),
+                         position_ids=position_ids, attention_mask=mask, cache=self.draft_cache)  # fmt: skip
         return out.last_hidden_state  # (1, B, H)
 
     def _base_logits(self, hidden: torch.Tensor, rows) -> torch.Tensor:
         # `rows` (the draft vocabulary's lm_head rows, or None) come from `head_rows`, outside the graph. Over the
         # draft vocabulary when there is one: the compiled loop's processors are all `vocabulary_local`.
-        return self.xpress.draft_logits(hidden.to(self.lm_head.weight.dtype), self.lm_head, rows)  # (1, n, V_d)
+        with self._linear_mode("head", hidden.shape[1] - 1):
+            return self.xpress.draft_logits(hidden.to(self.lm_head.weight.dtype), self.lm_head, rows)  # (1, n, V_d)
 
     def head_rows(self):
         """`xpress.draft_readout` outside the graph: its cache is keyed by data pointers, which a graph cannot
@@ -276,8 +407,9 @@ class CompiledDecoder:
         width = tokens.shape[1]
         _set_write_position(self.target_cache, anchor_pos)
         position_ids = (anchor_pos + torch.arange(width, device=tokens.device)).unsqueeze(0)
-        out = self.target(input_ids=tokens, position_ids=position_ids, cache=self.target_cache,
-                          output_hidden_states=self.hidden_request)  # fmt: skip
+        with self._linear_mode("verify", width):
+            out = self.target(input_ids=tokens, position_ids=position_ids, cache=self.target_cache,
+                              output_hidden_states=self.hidden_request)  # fmt: skip
         logits = out.logits[0].float()  # (W, V)
         if self.processors:  # prefix-free: the ids are not read
             logits = self.processors(tokens.expand(width, -1), logits)
@@ -323,16 +455,17 @@ def release_compiled_decoders() -> None:
     _DECODERS.clear()
 
 
-def compiled_decoder(xpress, target, max_cache_len: int, temperature: float, top_k, top_p) -> CompiledDecoder:
-    """The kept decoder for these models, cache length and decoding settings, built on first use."""
+def compiled_decoder(xpress, target, max_cache_len: int, temperature: float, top_k, top_p,
+                     linear_layout: str = "auto") -> CompiledDecoder:  # fmt: skip
+    """The kept decoder for these models, cache length, decoding settings and linear layout, built on first use."""
     config = xpress.config
     if temperature == 0:  # greedy: top-k/top-p do not apply
         top_k = top_p = None
     key = (id(xpress), id(target), max_cache_len, temperature, top_k, top_p, config.block_size,
-           config.jacobi_max_iters, config.refiner)  # fmt: skip
+           config.jacobi_max_iters, config.refiner, linear_layout)  # fmt: skip
     decoder = _DECODERS.get(key)
     if decoder is None or decoder.xpress is not xpress or decoder.target is not target:
-        decoder = CompiledDecoder(xpress, target, max_cache_len, temperature, top_k, top_p)
+        decoder = CompiledDecoder(xpress, target, max_cache_len, temperature, top_k, top_p, linear_layout)
         _DECODERS[key] = decoder
         while len(_DECODERS) > MAX_DECODERS:
             _DECODERS.popitem(last=False)
@@ -384,11 +517,13 @@ def compiled_spec_generate(
     generator: torch.Generator | None,
     draft_rule,
     max_cache_len: int | None = None,
+    linear_layout: str = "auto",
 ) -> XPressGenerateOutput:
     """`spec_generate`'s loop on a `CompiledDecoder`: prefill → draft → refine → verify → accept, fixed shapes.
 
     Arguments are checked by `spec_generate`, which dispatches here for `compile=True`. `max_cache_len`: the caches'
-    length (default: this call's bucket, `cache_length`).
+    length (default: this call's bucket, `cache_length`). `linear_layout`: how the graphs compute `F.linear`
+    (`LINEAR_LAYOUTS`; "auto" times both on the models' weights when the decoder is built, on a CPU).
     """
     block = xpress.config.block_size
     cache_len = cache_length(input_ids.shape[1], max_new_tokens, block)
@@ -405,9 +540,9 @@ def compiled_spec_generate(
     # Every compiled decoder's calls share code objects; dynamo keeps one entry per decoder, so allow more than its
     # default 8, and fail loudly rather than fall back to eager if even that is exceeded.
     with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
-        decoder = compiled_decoder(xpress, target, cache_len, temperature, top_k, top_p)
+        decoder = compiled_decoder(xpress, target, cache_len, temperature, top_k, top_p, linear_layout)
         compiled_before = decoder.compile_seconds
-        stats = CompiledGenerationStats()
+        stats = CompiledGenerationStats(weight_major_graphs=[f"{g}:{rows}" for g, rows in sorted(decoder.weight_major)])
         xpress.generation_stats = stats
         out = _decode(decoder, input_ids, max_new_tokens, stop, generator, draft_rule, stats)
         stats.time_compile = decoder.compile_seconds - compiled_before
@@ -504,6 +639,8 @@ def _decode(decoder: CompiledDecoder, input_ids, max_new_tokens, stop, generator
 
 
 __all__ = [
+    "LINEAR_LAYOUTS",
+    "WeightMajorLinear",
     "CompiledDecoder",
     "cache_length",
     "verify_width",
@@ -511,5 +648,7 @@ __all__ = [
     "CompiledGenerationStats",
     "compiled_spec_generate",
     "jacobi_fixed_iterations",
+    "linear_weights",
     "release_compiled_decoders",
+    "weight_major_pays",
 ]
