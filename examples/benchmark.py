@@ -69,6 +69,9 @@ def parse_args() -> argparse.Namespace:
                         "is always measured: tau, the K sweep and the draft timers come from it")
     parser.add_argument("--no-compiled-plain", action="store_true",
                         help="skip the second baseline: plain generate with a static cache and torch.compile")
+    parser.add_argument("--num-assistant-tokens", type=int, default=None,
+                        help="drafts verified per block by every method (default: each checkpoint config's own); "
+                        "choose it on held-out prompts (examples/choose_draft_length.py), never on these sets")
     return parser.parse_args()
 
 
@@ -81,6 +84,7 @@ def main() -> None:
         max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures), k_values=tuple(args.k_values),
         adaptive=not args.no_adaptive, limit=args.limit, seed=args.seed, latency_blocks=args.latency_blocks,
         latency_repeats=args.latency_repeats, entries=tuple(args.entries), compiled_plain=not args.no_compiled_plain,
+        num_assistant_tokens=args.num_assistant_tokens,
     )  # fmt: skip
     paths = dict(parse_method_spec(spec) for spec in args.methods)
     run_name = args.run_name or (

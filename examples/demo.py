@@ -14,7 +14,7 @@ measured in this run.
     python examples/demo.py --num-assistant-tokens 0   # verify what the checkpoint config says (whole blocks)
 
 On a CPU the demo verifies the number of drafts per block chosen for its dtype on held-out prompts
-(`modeling_xpress.demo.CPU_DRAFT_CAPS`: 2 in fp32, the config's in bf16); `--num-assistant-tokens` overrides it.
+(`modeling_xpress.demo.CPU_DRAFT_CAPS`: 3 in fp32 and in bf16); `--num-assistant-tokens` overrides it.
 """
 
 import argparse

@@ -77,6 +77,7 @@ class BenchmarkSettings:
     latency_repeats: int = 30  # timed repeats of each block and setting (the median is reported)
     entries: tuple[str, ...] = DEFAULT_ENTRIES  # speculative entry points measured per method (ENTRIES: all)
     compiled_plain: bool = True  # also measure plain decoding with a static cache and torch.compile
+    num_assistant_tokens: int | None = None  # drafts verified per block by every method; None: each config's own
 
     def __post_init__(self) -> None:
         self.temperatures = tuple(float(t) for t in self.temperatures)
@@ -98,6 +99,9 @@ class BenchmarkSettings:
             raise ValueError("temperatures is empty: give at least one (0 = greedy)")
         if any(t < 0 for t in self.temperatures):
             raise ValueError(f"temperatures must be >= 0, got {list(self.temperatures)}")
+        cap = self.num_assistant_tokens
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"num_assistant_tokens must be a positive int or None (each config's own), got {cap!r}")
         if any(k < 1 for k in self.k_values):
             raise ValueError(f"k_values must be >= 1 (Jacobi iterations), got {list(self.k_values)}")
         if len(set(self.k_values)) != len(self.k_values):
@@ -396,9 +400,25 @@ def method_info(model) -> dict:
     return {
         "refiner": c.refiner, "block_size": c.block_size, "refiner_rank": c.refiner_rank,
         "num_hidden_layers": c.num_hidden_layers, "jacobi_max_iters": c.jacobi_max_iters,
-        "jacobi_early_exit": c.jacobi_early_exit, "dtype": str(model.dtype).removeprefix("torch."),
+        "jacobi_early_exit": c.jacobi_early_exit, "num_assistant_tokens": c.num_assistant_tokens,
+        "draft_confidence_threshold": c.draft_confidence_threshold, "dtype": str(model.dtype).removeprefix("torch."),
         "path": getattr(c, "_name_or_path", None),
     }  # fmt: skip
+
+
+@contextlib.contextmanager
+def draft_cap(methods: Mapping[str, torch.nn.Module], num_assistant_tokens: int | None) -> Iterator[None]:
+    """Every method's config verifies at most `num_assistant_tokens` drafts per block while inside (None: unchanged);
+    each config's own value is restored afterwards."""
+    saved = {name: model.config.num_assistant_tokens for name, model in methods.items()}
+    try:
+        if num_assistant_tokens is not None:
+            for model in methods.values():
+                model.config.num_assistant_tokens = num_assistant_tokens
+        yield
+    finally:
+        for name, model in methods.items():
+            model.config.num_assistant_tokens = saved[name]
 
 
 def run_benchmark(
@@ -411,8 +431,14 @@ def run_benchmark(
     progress: bool = True,
 ) -> dict:
     """Measure everything (see the module docstring) and return `{"settings", "environment", "methods", "datasets",
-    "records", "latency", "summary", "wall_time_s", ...}`; `metadata` is stored as given (e.g. checkpoint paths)."""
+    "records", "latency", "summary", "wall_time_s", ...}`; `metadata` is stored as given (e.g. checkpoint paths).
+    `settings.num_assistant_tokens` caps every method's drafts per block for the run (`draft_cap`)."""
     settings = settings or BenchmarkSettings()
+    with draft_cap(methods, settings.num_assistant_tokens):
+        return _run_benchmark(target, methods, prompt_sets, settings, metadata, progress)
+
+
+def _run_benchmark(target, methods, prompt_sets, settings: BenchmarkSettings, metadata, progress: bool) -> dict:
     if not methods:
         raise ValueError("no methods given: pass at least one xPress checkpoint")
     if not prompt_sets:

@@ -16,11 +16,13 @@ DEMO_PROMPTS = [
     "Give me three tips for staying focused while studying.",
 ]
 # Drafts verified per block by `make demo` on a CPU, by dtype (None: the checkpoint config's own), chosen on held-out
-# training prompts with `examples/choose_draft_length.py --compile` (benchmarks/results/draft-length-heldout-compiled-
-# <dtype>.json), never on these prompts or the evaluation sets. On a 2-core CPU an fp32 verification is compute-bound:
-# anchor + 2 drafts costs about one plain step and anchor + 15 about two, so 2 drafts per block decode fastest there;
-# in bf16 (AMX) a whole block costs about one plain step and the checkpoint's setting stands.
-CPU_DRAFT_CAPS = {"float32": 2, "bfloat16": None}
+# training prompts with `examples/choose_draft_length.py --compile`, never on these prompts or the evaluation sets:
+# float32 on the default-kind held-out rows (benchmarks/results/draft-length-heldout-compiled-float32-v6.json: 3 drafts
+# 2.49× plain, 2 drafts 2.10×, 4 drafts 2.10×, whole blocks 1.47×), bfloat16 on the task-kind held-out rows
+# (draft-length-heldout-task-compiled-bfloat16-v6.json: 3 drafts 1.55×, whole blocks 1.13×). Once a few-row
+# verification costs what it should (`compiled.WeightMajorLinear`), anchor + 3 drafts costs about one plain step on a
+# 2-core CPU, and wider verifications cost more than the extra drafts they get accepted.
+CPU_DRAFT_CAPS = {"float32": 3, "bfloat16": 3}
 
 
 @dataclass

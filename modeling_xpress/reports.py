@@ -222,7 +222,9 @@ def markdown_report(results: Mapping, plots: Mapping[str, str] | None = None) ->
     counts = ", ".join(f"{d} {v['prompts']}" for d, v in results["datasets"].items())
     methods = ", ".join(
         f"`{m}` ({v['refiner']}, block {v['block_size']}, K≤{v['jacobi_max_iters']}"
-        + (", early exit)" if v["jacobi_early_exit"] else ")")
+        + (", early exit" if v["jacobi_early_exit"] else "")
+        + (f", at most {v['num_assistant_tokens']} drafts verified per block" if v.get("num_assistant_tokens") else "")
+        + ")"
         for m, v in results["methods"].items()
     )
     lines = [

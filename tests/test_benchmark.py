@@ -105,6 +105,24 @@ def test_config_is_restored_after_the_sweep():
     assert (methods["xpress"].config.jacobi_max_iters, methods["xpress"].config.jacobi_early_exit) == before
 
 
+def test_draft_cap_applies_to_every_method_for_the_run_only():
+    """num_assistant_tokens caps every method's drafts per block in every record (the perfect pair would accept whole
+    blocks: each verification commits the cap + 1), is stored with the methods, and each config's own value is back afterwards."""
+    target, methods = perfect_methods()
+    settings = BenchmarkSettings(max_new_tokens=MAX_NEW, temperatures=(0.0,), k_values=(), adaptive=False,
+                                 latency_blocks=1, latency_repeats=1, compiled_plain=False,
+                                 num_assistant_tokens=2)  # fmt: skip
+    results = run_benchmark(target, methods, {"a": [[5, 9], [1, 2, 3]]}, settings, progress=False)
+    spec = [r for r in results["records"] if r["stats"] is not None and r["entry"] == "spec_generate"]
+    assert spec and all(max(r["stats"]["draft_lengths"]) == 2 for r in spec)
+    assert all(r["identical_to_plain"] for r in results["records"] if r["entry"] != "plain")
+    accepted = [n for r in spec if r["method"] == "xpress" for n in r["stats"]["acceptance_lengths"]]
+    assert max(accepted) == 3 and accepted.count(3) >= len(accepted) - 2  # 2 drafts + the bonus, but a cut last block
+    assert {m["num_assistant_tokens"] for m in results["methods"].values()} == {2}
+    assert results["settings"]["num_assistant_tokens"] == 2
+    assert all(model.config.num_assistant_tokens is None for model in methods.values())
+
+
 def test_greedy_identity_counts_every_prompt(perfect_run):
     identity = perfect_run["summary"]["identity"]
     assert identity and all(r["identical"] == r["prompts"] for r in identity)
@@ -297,6 +315,7 @@ def test_load_methods_round_trip(tmp_path, cli):
         (dict(k_values=(2, 2)), "duplicates"),
         (dict(limit=0), "limit must be >= 1"),
         (dict(latency_repeats=0), "latency_repeats must be >= 1"),
+        (dict(num_assistant_tokens=0), "num_assistant_tokens must be a positive int or None"),
     ],
 )
 def test_settings_name_bad_values(kwargs, message):
