@@ -65,16 +65,20 @@ def evaluation_summary(results: dict) -> str:
         f"{compiled}, on the same prompts in the same run. `dflash` rows are the drafter alone (no head), `markov` "
         "the Markov head, `xpress` this checkpoint: the two heads were trained on that same drafter, frozen, with "
         "equal budgets. Small-sample CPU figures: read them as what this 135M pair does on this machine, not as the "
-        "paper's."
-    )
+        "paper's." + (
+            f" Every method verified at most {s['num_assistant_tokens']} drafts per block (`num_assistant_tokens`, "
+            "chosen on held-out training prompts, never on these sets)." if s.get("num_assistant_tokens") else ""
+        )
+    )  # fmt: skip
 
 
 def training_text(stages: dict) -> str:
     """`stages`: stage name → that stage's entry of a pipeline `training_summary.json` (command, steps, logs)."""
     lines = ["Trained on CPU with `examples/smollm2_pipeline.py` on responses written by the target itself (greedy) to "
-             "generated prompts (`modeling_xpress.prompts.training_prompts`), none from the evaluation sets; prompts "
-             "7000..7199 are held out and 100 of them scored every 250 steps (the τ estimate: T=1, teacher forced, "
-             "blocks anchored uniformly in the responses).", ""]  # fmt: skip
+             "generated prompts (`modeling_xpress.prompts`), none from the evaluation sets; held-out prompts (general "
+             "set 7000..7199, task-shaped set 3000..3199) are never trained on, and 100 held-out rows are scored every "
+             "250 steps (the τ estimate: T=1, teacher forced, blocks anchored uniformly in the responses).",
+             ""]  # fmt: skip
     lines += ["| stage | steps | train time (min) | held-out τ estimate (best) | command |", "|---|---|---|---|---|"]
     for stage, info in stages.items():
         seconds = info.get("train_seconds") or info.get("wall_seconds_this_run")

@@ -11,13 +11,13 @@ A stage whose output folder already holds a final model is skipped; an interrupt
 checkpoint. `<out>/training_summary.json` records each stage's command, configuration, steps, wall time and final
 logged losses.
 
-    python examples/smollm2_pipeline.py --out runs/v6 --recipe v6-task   # issue 10: the newest run
+    python examples/smollm2_pipeline.py --out runs/v6 --recipe v6-task   # the bundled checkpoint's run
     python examples/smollm2_pipeline.py --out runs/v3 --recipe v3
-    python examples/smollm2_pipeline.py --out runs/v2 --recipe v2   # the bundled checkpoint's run
+    python examples/smollm2_pipeline.py --out runs/v2 --recipe v2   # the first bundled checkpoint's run
 
 Recipes (each flag can still be set by hand after `--recipe`):
 
-* `v2` — the bundled checkpoint's run: 2,400 regenerated responses, a random drafter, 1000 + 150 steps, full
+* `v2` — the first bundled checkpoint's run: 2,400 regenerated responses, a random drafter, 1000 + 150 steps, full
   vocabulary, live target (measured: 58 min for the drafter and 8-11 min per head on two cores, target in bf16;
   `--drafter-steps 400 --head-steps 150 --anchors 8 --threads 1` was the pilot). One difference from that run: its
   drafter had QK-norm, while a SmolLM2 drafter built now has none (`XPressConfig.from_target_config` follows the Llama
