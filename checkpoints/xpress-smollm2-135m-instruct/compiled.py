@@ -61,7 +61,7 @@ LENGTH_BUCKET = 256
 # Compiled decoders kept alive at once (each holds two static caches); the least recently used is released first.
 MAX_DECODERS = 8
 # How the compiled graphs compute `F.linear` (`spec_generate(..., linear_layout=...)`): "auto" times both layouts on
-# the models' own weights once per row count and keeps the faster one (on a GPU it keeps "input_major").
+# the models' own weights once per row count and goes weight-major where that is clearly faster (on a GPU: never).
 LINEAR_LAYOUTS = ("auto", "input_major", "weight_major")
 # Weight-major is chosen only if the timed products are at least 1.25× faster that way: the microbenchmark leaves out
 # what the layout changes around the product inside a graph. Measured on SmolLM2 (2-core AMD EPYC), whole compiled
@@ -182,8 +182,8 @@ def check_linear_layout(linear_layout) -> None:
     if linear_layout not in LINEAR_LAYOUTS:
         raise ValueError(
             f"linear_layout must be one of {', '.join(map(repr, LINEAR_LAYOUTS))}, got {linear_layout!r}: 'auto' "
-            "times both layouts on the models' weights and keeps the faster, 'input_major' is F.linear as is, "
-            "'weight_major' computes it as (W @ x.T).T."
+            "times both layouts on the models' weights and goes weight-major where that is clearly faster, "
+            "'input_major' is F.linear as is, 'weight_major' computes it as (W @ x.T).T."
         )
 
 
