@@ -22,7 +22,6 @@ import argparse
 import functools
 import json
 import platform
-import statistics
 import time
 
 import torch
@@ -31,7 +30,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from modeling_xpress import XPressConfig, XPressModel
 from modeling_xpress.benchmark import compiled_plain_kwargs
 from modeling_xpress.compiled import jacobi_fixed_iterations
-from modeling_xpress.generation import WallClock, spec_generate
+from modeling_xpress.generation import WallClock, median_seconds, spec_generate
 
 SHAPES = {
     # Qwen3-8B target; 5-layer block-16 drafter with a rank-256 xPress head
@@ -139,15 +138,8 @@ def refiner_latency(xpress, device, dtype, clock: WallClock, repeats: int) -> di
             torch._dynamo.mark_static_address(tensor)
     mode = "reduce-overhead" if cuda else None
 
-    def per_call(fn) -> float:
-        for _ in range(3):  # warm-up (and CUDA graph recording)
-            fn()
-        samples = []
-        for _ in range(repeats):
-            start = clock.now()
-            fn()
-            samples.append(clock.now() - start)
-        return statistics.median(samples)
+    def per_call(fn) -> float:  # 3 warm-up calls: CUDA graphs are recorded in the first ones
+        return median_seconds(fn, repeats, warmup=3, clock=clock)
 
     def step(fn):
         def call():

@@ -256,7 +256,8 @@ def main() -> None:
         return
     for stage in args.stages:
         if stage == "drafter":
-            extra = ["--refiner", "none", "--max_steps", str(args.drafter_steps), "--warmup_steps", str(args.warmup_steps)]
+            extra = ["--refiner", "none", "--max_steps", str(args.drafter_steps),
+                     "--warmup_steps", str(args.warmup_steps)]  # fmt: skip
             if args.continue_from:  # its architecture and draft vocabulary come with it
                 extra += ["--init_from", args.continue_from]
             else:

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import inspect
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -138,6 +139,20 @@ class WallClock:
         if self.cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
+
+
+def median_seconds(fn, repeats: int, *, warmup: int = 1, clock: WallClock | None = None) -> float:
+    """Median wall time of `fn()` over `repeats` calls after `warmup` untimed ones (`clock`: a `WallClock` to
+    synchronise a GPU; default, the host clock)."""
+    now = clock.now if clock is not None else time.perf_counter
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = now()
+        fn()
+        samples.append(now() - start)
+    return statistics.median(samples)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ This file travels with every saved checkpoint; it imports only torch, transforme
 """
 
 import contextlib
-import statistics
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from .generation import (
     _accept_sampling,
     decoding_processors,
     draft_length,
+    median_seconds,
     target_features,
 )
 from .refinement import RefinementResult, decode, gumbel_noise, previous_tokens, target_ids
@@ -132,16 +132,6 @@ class WeightMajorLinear(TorchFunctionMode):
 _LAYOUT_TIMINGS: dict[tuple, tuple[float, float]] = {}
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def linear_weights(*modules: nn.Module) -> list[torch.Tensor]:
     """The weights of every `nn.Linear` in the modules (each tensor once: a tied lm_head counts once)."""
     seen, weights = set(), []
@@ -169,8 +159,8 @@ def weight_major_pays(weights, rows: int, repeats: int = 5) -> bool:
             weight = group[0]
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
             _LAYOUT_TIMINGS[timing_key] = (
-                _median_seconds(lambda: F.linear(x, weight), repeats),
-                _median_seconds(lambda: torch.mm(weight, x.t()).t(), repeats),
+                median_seconds(lambda: F.linear(x, weight), repeats),
+                median_seconds(lambda: torch.mm(weight, x.t()).t(), repeats),
             )
         t_input, t_weight = _LAYOUT_TIMINGS[timing_key]
         input_major += len(group) * t_input
@@ -316,7 +306,6 @@ class CompiledDecoder:
         )
         self.cuda = target.device.type == "cuda"
         mode = "reduce-overhead" if self.cuda else None  # CUDA graphs on a GPU; plain inductor kernels on CPU
-        self.linear_layout = linear_layout
         self.weight_major = self._choose_layouts(linear_layout)
         self.compile_seconds = 0.0
         self.verified_widths: set[int] = set()  # verification widths whose graph is compiled
@@ -335,7 +324,7 @@ class CompiledDecoder:
             return frozenset()
         if linear_layout == "weight_major":
             return frozenset(rows_of)
-        rows = self.xpress.draft_readout(self.lm_head)
+        rows = self.head_rows()
         weights = {
             "verify": linear_weights(self.target),
             "drafter": linear_weights(self.xpress),
