@@ -13,6 +13,9 @@ compiled once (`torch.compile`, mode "reduce-overhead" on CUDA: replayed as a CU
   CPU a short verification is much cheaper than a whole block in fp32 (compute-bound), so a cap pays there;
 * the drafter's new context (the verified tokens' target features, 1..B of them per step) is padded to B rows and
   masked; the prompt's context, whose length varies per call, goes through the same function uncompiled (a prefill);
+* only the drafts a step can verify (`num_assistant_tokens`) are read out and decoded: the drafter runs the whole
+  block, but the lm_head readout and the head's decode cover the first `cap` positions, which by causality come out
+  as in the whole block (`XPressModel.refine`);
 * the Jacobi refiner runs a fixed `jacobi_max_iters` iterations inside its graph. Early exit needs no decision
   outside it: after a fixed point an iteration reproduces its input (Theorem 1), so the tokens and logits are those
   of the eager loop, and the iteration count is tracked per block inside the graph exactly as `jacobi_refine` does.
@@ -253,18 +256,20 @@ def jacobi_fixed_iterations(refiner, folded, hidden, base_logits, anchor_ids, *,
     in `jacobi_refine`, everything over the draft vocabulary.
     """
     to_vocabulary = to_vocabulary or (lambda values: values)
+    m = base_logits.shape[1]  # the first m of hidden's n positions are decoded, as in `jacobi_refine`
+    mix = folded.mix[:, :m, :m]
     # refiner.prepare(hidden), from the precomputed operators: the token-independent part of c, once per block
     g = hidden.mean(dim=1, keepdim=True)
     a_hidden = hidden @ folded.hidden_weight.T + g @ folded.global_weight.T  # (b, n, r)
-    prepared = torch.einsum("dkj,bjd->bkd", folded.mix, a_hidden)  # (b, n, r)
+    prepared = torch.einsum("dkj,bjd->bkd", folded.mix[:, :m], a_hidden)  # (b, m, r)
     processed, tokens = decode(base_logits, logits_transform, noise)  # seed Y^0 from the drafter's marginals
     b = tokens.shape[0]
     counts = torch.zeros(b, dtype=torch.long, device=tokens.device)
     settled = torch.zeros(b, dtype=torch.bool, device=tokens.device)
     for _ in range(iterations):
         # refiner.delta_folded(prepared, previous) over the whole block
-        previous = previous_tokens(anchor_ids, target_ids(tokens, token_ids))  # (b, n)
-        c = prepared + torch.einsum("dkj,bjd->bkd", folded.mix, folded.token_table[previous])
+        previous = previous_tokens(anchor_ids, target_ids(tokens, token_ids))  # (b, m)
+        c = prepared + torch.einsum("dkj,bjd->bkd", mix, folded.token_table[previous])
         delta = to_vocabulary(refiner.trans_read(c))  # (b, n, V)
         processed, new_tokens = decode(base_logits + delta, logits_transform, noise)
         changed = (new_tokens != tokens).any(dim=1)
@@ -278,7 +283,8 @@ class CompiledDecoder:
     """Static caches and compiled calls for one (target, drafter, cache length, decoding settings).
 
     Four compiled calls, each with fixed shapes: `drafter` (block embedding + drafter forward on a context padded to
-    B rows), `head` (the drafter's base logits through the target's lm_head), `refiner` (the head's decode) and
+    B rows), `head` (the drafter's base logits through the target's lm_head, for the cap's drafts only: a graph per
+    draft count), `refiner` (the head's decode of those drafts) and
     `verify` (the target on the anchor and the first drafts, one graph per width: its processed logits and the
     drafter's next context features). The compiled calls of every decoder share code, so dynamo reuses a graph for any
     models of the same shapes (weights and caches are graph inputs) and compiles only for new shapes.
@@ -317,9 +323,11 @@ class CompiledDecoder:
     def _choose_layouts(self, linear_layout: str) -> frozenset:
         """The graphs, as (name, rows), that compute `F.linear` weight-major: decided once here, before any graph is
         traced, and never changed (a graph reads this set as a constant). "auto" times both layouts on each graph's
-        weights: the target's at every verification width 1..B, the drafter's at B rows, the readout at B - 1."""
+        weights: the target's at every verification width 1..B, the drafter's at B rows, the readout at every draft
+        count 1..B - 1 (it reads out only the drafts a step can verify)."""
         rows_of = {("verify", w): w for w in range(1, self.block + 1)}
-        rows_of[("drafter", self.block)], rows_of[("head", self.block - 1)] = self.block, self.block - 1
+        rows_of.update({("head", m): m for m in range(1, self.block)})
+        rows_of[("drafter", self.block)] = self.block
         if linear_layout == "input_major" or (linear_layout == "auto" and self.cuda):
             return frozenset()
         if linear_layout == "weight_major":
@@ -583,7 +591,7 @@ def _decode(decoder: CompiledDecoder, input_ids, max_new_tokens, stop, generator
             else:  # a prompt longer than a block: a prefill of varying length, uncompiled
                 hidden = decoder._draft(anchor, features, positions[0], positions[1])
             t1 = timer.mark()
-            base = decoder.head(hidden, decoder.head_rows())
+            base = decoder.head(hidden[:, :widest], decoder.head_rows())  # the cap's drafts only: (1, cap, V_d)
             t2 = timer.mark()
             noise = gumbel_noise(base.shape, generator=generator, device=base.device) if do_sample else None
             tokens, q_logits, iterations = decoder.refiner(hidden[:, 1:], base, anchor.view(1), noise, decoder.folded())

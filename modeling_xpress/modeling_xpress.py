@@ -266,11 +266,13 @@ class XPressRefiner(CorrectionHead):
     def delta_folded(self, prepared: torch.Tensor, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """δ for one Jacobi iteration from `prepare(hidden)` and the current previous tokens (b, n).
 
-        Only positions `start..n-1` are computed, (b, n - start, V): by causality a position whose prefix did not
-        change keeps its δ, so Jacobi recomputes just the tail after the first token that moved.
+        Only positions `start..m-1` are computed, (b, m - start, V), for the tokens' m ≤ n positions: by causality a
+        position whose prefix did not change keeps its δ, so Jacobi recomputes just the tail after the first token
+        that moved, and positions past m never enter.
         """
         f = self.folded()
-        c = prepared[:, start:] + torch.einsum("dkj,bjd->bkd", f.mix[:, start:], f.token_table[tokens])
+        m = tokens.shape[1]  # `prepared` may cover only the first m positions (a block decoded in part)
+        c = prepared[:, start:m] + torch.einsum("dkj,bjd->bkd", f.mix[:, start:m, :m], f.token_table[tokens])
         return self.trans_read(c)
 
 
@@ -467,16 +469,20 @@ class XPressModel(XPressPreTrainedModel):
             hidden = layer(hidden, context, cos, sin, mask, cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden).to(out_dtype), cache=cache)
 
-    def draft_logits(self, last_hidden_state: torch.Tensor, lm_head: nn.Module, rows=None) -> torch.Tensor:
+    def draft_logits(
+        self, last_hidden_state: torch.Tensor, lm_head: nn.Module, rows=None, positions: int | None = None
+    ) -> torch.Tensor:
         """Drafter logits s_k of one block's draft positions over the draft vocabulary: (b, B, H) → (b, n, V_d)
         through the draft vocabulary's rows of the target's lm_head (all of it without a draft vocabulary). `rows`:
-        `draft_readout(lm_head)` computed by the caller (a compiled graph cannot consult that cache)."""
+        `draft_readout(lm_head)` computed by the caller (a compiled graph cannot consult that cache). `positions`:
+        read out only the first that many draft positions, (b, positions, V_d) — the drafts a block can verify
+        (`refine` decodes them exactly as it would decode them in the whole block)."""
         # As a 2-D (b·n, H) matrix: a 3-D input that is a strided view makes `F.linear` fall back to a batched matmul
         # over a copy of the (V, H) weight per batch row. `.contiguous()` is not enough: at decode time (b = 1) the
         # view [:, 1:] already counts as contiguous, yet its stride on the size-1 batch dimension still selects that
         # path (measured, SmolLM2's 576-wide hidden, bf16, one thread: 4,096 rows 2.9 → 0.42 ms, all 49,152 rows
         # 191 → 5.6 ms). In training (b > 1) the reshape copies, which is what made the training step fast.
-        hidden = last_hidden_state[:, 1:]
+        hidden = last_hidden_state[:, 1:] if positions is None else last_hidden_state[:, 1 : 1 + positions]
         flat = hidden.reshape(-1, hidden.shape[-1])
         if self.draft_token_ids is None:
             logits = lm_head(flat)
@@ -497,10 +503,13 @@ class XPressModel(XPressPreTrainedModel):
             self._draft_head_cache = (key, rows)
         return self._draft_head_cache[1]
 
-    def base_logits(self, last_hidden_state: torch.Tensor, lm_head: nn.Module, rows=None) -> torch.Tensor:
+    def base_logits(
+        self, last_hidden_state: torch.Tensor, lm_head: nn.Module, rows=None, positions: int | None = None
+    ) -> torch.Tensor:
         """Drafter logits s_k for the draft positions of one block over the whole vocabulary: (b, B, H) → (b, n, V),
-        -inf outside the draft vocabulary (so the drafter's q is exactly 0 there)."""
-        return self.to_vocabulary(self.draft_logits(last_hidden_state, lm_head, rows), fill=float("-inf"))
+        -inf outside the draft vocabulary (so the drafter's q is exactly 0 there). `positions` as in `draft_logits`."""
+        logits = self.draft_logits(last_hidden_state, lm_head, rows, positions)
+        return self.to_vocabulary(logits, fill=float("-inf"))
 
     def to_vocabulary(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """(..., V_d) over the draft vocabulary → (..., V) over the target's, `fill` elsewhere (identity without a
@@ -541,9 +550,12 @@ class XPressModel(XPressPreTrainedModel):
     ) -> RefinementResult:
         """Turn one block's drafter outputs into draft tokens and the distribution each was drawn from.
 
-        hidden: (b, n, H) drafter states of the draft positions; base_logits: (b, n, V) over the whole vocabulary
-        (`base_logits`) or, for a drafter with a draft vocabulary, (b, n, V_d) over it (`draft_logits`); anchor_ids:
-        (b,). `logits_transform` maps raw logits to the processed logits a token is decoded from (temperature,
+        hidden: (b, n, H) drafter states of the draft positions; base_logits: (b, m, V) over the whole vocabulary
+        (`base_logits`) or, for a drafter with a draft vocabulary, (b, m, V_d) over it (`draft_logits`); anchor_ids:
+        (b,). m ≤ n: only the first m positions are decoded (`draft_logits(..., positions=m)`), with the tokens and
+        distributions they get in the whole block — every head is causal over positions, and the hidden states of
+        all n positions (the xPress head's block summary reads them all) come from the one drafter pass.
+        `logits_transform` maps raw logits to the processed logits a token is decoded from (temperature,
         top-k/p); `noise` is the block's fixed Gumbel noise (None → greedy), shaped like `base_logits`. xPress runs
         Jacobi iterations, the Markov head a serial decode, and `refiner="none"` decodes the drafter's marginals
         (`CorrectionHead.decode`).
@@ -551,7 +563,7 @@ class XPressModel(XPressPreTrainedModel):
         Over the draft vocabulary every iteration works on V_d-wide logits (the same distribution: q is 0 outside
         it), so pass draft logits whenever `logits_transform` treats tokens alike whatever their id (none,
         temperature, top-k, top-p: `vocabulary_local`); a processor that reads ids (repetition penalty, n-gram
-        blocking) needs the whole vocabulary. Tokens are target ids and logits (b, n, V) either way.
+        blocking) needs the whole vocabulary. Tokens are target ids and logits (b, m, V) either way.
         """
         vocabulary, draft_space = self.decoding_vocabulary(base_logits)
         result = self.refiner.decode(

@@ -89,7 +89,7 @@ def jacobi_refine(
     `max_iters=0` is the drafter's own marginals: the seed decode, no refiner pass, `iterations` 0 — exactly what
     `plain_decode` (`refiner="none"`) drafts, so switching the head off measures its contribution in the same loop.
     """
-    b, n = base_logits.shape[:2]
+    b, n = base_logits.shape[:2]  # n ≤ hidden's positions: only the first n are decoded (`XPressModel.refine`)
     if max_iters < 0:
         raise ValueError(f"max_iters must be >= 0 (0 = the drafter's own marginals), got {max_iters}")
     if max_iters == 0:
@@ -97,7 +97,7 @@ def jacobi_refine(
             raise ValueError("init_tokens needs max_iters >= 1: with max_iters=0 the drafter's own decode is returned")
         return plain_decode(base_logits, logits_transform=logits_transform, noise=noise, token_ids=token_ids)
     to_vocabulary = to_vocabulary or _identity
-    prepared = refiner.prepare(hidden)  # token-independent part, once per block
+    prepared = refiner.prepare(hidden)[:, :n]  # token-independent part, once per block (its summary reads all of it)
     processed, tokens = decode(base_logits, logits_transform, noise)  # seed Y^0 from the drafter's marginals
     if init_tokens is not None:
         tokens = init_tokens
@@ -138,9 +138,10 @@ def sequential_refine(
 ) -> RefinementResult:
     """Slow left-to-right reference: y_k from the unfolded refiner given the already decoded y_{<k}.
 
-    n refiner passes per block; used by the tests to check Jacobi against (Theorem 1)."""
+    n refiner passes per block; used by the tests to check Jacobi against (Theorem 1). As there, `base_logits` may
+    cover only the first n of hidden's positions."""
     b, n, v = base_logits.shape
-    tokens = torch.zeros(b, n, dtype=torch.long, device=base_logits.device)
+    tokens = torch.zeros(b, hidden.shape[1], dtype=torch.long, device=base_logits.device)  # later ones never read
     logits = torch.empty(b, n, v, dtype=torch.float32, device=base_logits.device)
     for k in range(n):
         # Positions > k are ignored by causality; slices stay 3-D (b, 1, V) because a logits transform takes blocks.
@@ -149,7 +150,7 @@ def sequential_refine(
         step_noise = None if noise is None else noise[:, k : k + 1]
         step_logits, step_tokens = decode(base_logits[:, k : k + 1] + delta, logits_transform, step_noise)
         logits[:, k], tokens[:, k] = step_logits[:, 0], step_tokens[:, 0]
-    return RefinementResult(tokens=target_ids(tokens, token_ids), logits=logits,
+    return RefinementResult(tokens=target_ids(tokens[:, :n], token_ids), logits=logits,
                             iterations=torch.full((b,), n, device=tokens.device))
 
 

@@ -27,7 +27,7 @@ def make_refiner(seed: int = 0, std: float = 0.7) -> XPressRefiner:
 
 def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """fp32 agreement relative to the tensor's scale (logits here reach a few hundred)."""
-    scale = expected.abs().max().item()
+    scale = expected[expected.isfinite()].abs().max().item()  # -inf outside a draft vocabulary must match exactly
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale)
 
 
@@ -207,3 +207,58 @@ def test_every_config_refiner_has_a_head_and_every_head_one_interface():
         result = model.refine(hidden, base, anchor)
         assert torch.equal(result.tokens, base.argmax(-1))
         assert head.corrects == (name != "none") and head.corrects == any(True for _ in head.parameters())
+
+
+@pytest.mark.parametrize("draft_vocabulary", [False, True])
+@pytest.mark.parametrize("sampling", [False, True])
+@pytest.mark.parametrize("refiner", ["xpress", "markov", "none"])
+def test_decoding_the_first_drafts_only_gives_the_whole_blocks_first_drafts(refiner, sampling, draft_vocabulary):
+    """The decoding loops read out and decode only the drafts a step can verify (`positions=m`, `m` = the cap): for
+    every m, each head gives them the tokens and q (up to the last bits) of the whole block's decode restricted to
+    them, and Jacobi iteration counts no larger — Jacobi with and without early exit, the Markov serial decode, the
+    marginals, and the sequential reference — greedy and sampling, over the whole vocabulary and over a draft
+    vocabulary. The heads are random and strong, so a position that read a later one (or a block summary of fewer
+    positions) would show."""
+    from modeling_xpress.generation import processors_transform, sampling_processors
+    from modeling_xpress.training import with_draft_vocabulary
+    from tests.builders import tiny_llama, tiny_xpress
+
+    target = tiny_llama()
+    lm_head = target.get_output_embeddings()
+    xpress = tiny_xpress(target, refiner=refiner, block_size=9, jacobi_max_iters=8)
+    if draft_vocabulary:
+        xpress = with_draft_vocabulary(xpress, torch.randperm(96, generator=torch.Generator().manual_seed(2))[:40])
+    xpress.eval()
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(3, 9, 64, generator=g)
+    anchor = torch.randint(0, 96, (3,), generator=g)
+    read = xpress.draft_logits if draft_vocabulary else xpress.base_logits
+    whole_logits = read(hidden, lm_head)
+    kwargs = {}
+    noise = None
+    if sampling:
+        noise = gumbel_noise(whole_logits.shape, generator=g)
+        kwargs["logits_transform"] = processors_transform(sampling_processors(0.8, None, 0.95), anchor.view(-1, 1))
+    settings = [{"early_exit": True}, {"early_exit": False}, {"max_iters": 2}]
+    for setting in settings:
+        whole = xpress.refine(hidden[:, 1:], whole_logits, anchor, noise=noise, **kwargs, **setting)
+        if refiner != "none":
+            assert len(set(whole.tokens[0].tolist())) > 2  # a real decode, not a constant block
+        for m in (1, 3, 8):
+            # the readout of m rows: the same values up to the last bits of a matrix product of another shape
+            torch.testing.assert_close(read(hidden, lm_head, positions=m), whole_logits[:, :m])
+            part_logits = whole_logits[:, :m]
+            part_noise = None if noise is None else noise[:, :m]
+            part = xpress.refine(hidden[:, 1:], part_logits, anchor, noise=part_noise, **kwargs, **setting)
+            assert torch.equal(part.tokens, whole.tokens[:, :m])
+            assert_fp32_close(part.logits, whole.logits[:, :m])  # products of another shape: the last bits differ
+            if refiner == "xpress" and setting.get("max_iters") is None:  # both settle: counts stay within m
+                assert bool((part.iterations <= whole.iterations).all()) and bool((part.iterations <= m + 1).all())
+    if refiner == "xpress" and not draft_vocabulary:
+        transform = kwargs.get("logits_transform")
+        full = sequential_refine(xpress.refiner, hidden[:, 1:], whole_logits, anchor, logits_transform=transform,
+                                 noise=noise)  # fmt: skip
+        part = sequential_refine(xpress.refiner, hidden[:, 1:], whole_logits[:, :3], anchor,
+                                 logits_transform=transform, noise=None if noise is None else noise[:, :3])  # fmt: skip
+        assert torch.equal(part.tokens, full.tokens[:, :3])
+        assert_fp32_close(part.logits, full.logits[:, :3])

@@ -112,6 +112,15 @@ def test_lossless_with_top_p(target, refiner):
     assert chi_square_pvalue(samples, exact) > ALPHA
 
 
+def test_lossless_with_a_draft_cap(target):
+    """Two drafts verified per block of three: only they are read out and decoded (`draft_block(positions=)`)."""
+    xpress = make_xpress(target, "xpress")
+    xpress.config.num_assistant_tokens = 2
+    samples = draw_with_spec_generate(xpress, target, seed=6)
+    assert max(xpress.generation_stats.draft_lengths) == 2
+    assert chi_square_pvalue(samples, exact_distribution(target, LogitsProcessorList())) > ALPHA
+
+
 def test_generate_sampling_is_lossless(target):
     """Through target.generate(do_sample=True, assistant_model=xpress): transformers' rejection sampling with our q."""
     xpress = make_xpress(target, "xpress")

@@ -288,6 +288,7 @@ def draft_block(
     stats: XPressGenerationStats | None = None,
     timer: SectionTimer | None = None,
     draft_space: bool = False,
+    positions: int | None = None,
 ) -> RefinementResult:
     """Draft one block after the committed prefix and return its tokens and their distributions.
 
@@ -295,6 +296,8 @@ def draft_block(
     of committed tokens the drafter cache has not seen. The drafter cache keeps only context K/V: the block's K/V are
     cropped before returning. `draft_space`: decode over the draft vocabulary (allowed when `vocabulary_local` holds
     for the processors behind `logits_transform`); the result is the same either way, over the whole vocabulary.
+    `positions`: read out and decode only the block's first that many drafts (the most a step can verify), which
+    come out as they would in the whole block; the drafter itself always runs the whole block.
     """
     timer = timer or SectionTimer(anchor.device)
     block = xpress.config.block_size
@@ -313,7 +316,7 @@ def draft_block(
     hidden = out.last_hidden_state  # (1, B, H)
     t1 = timer.mark()
     read = xpress.draft_logits if draft_space else xpress.base_logits
-    base = read(hidden.to(lm_head.weight.dtype), lm_head)  # (1, n, V_d) over the draft vocabulary, else (1, n, V)
+    base = read(hidden.to(lm_head.weight.dtype), lm_head, positions=positions)  # (1, m, V_d) draft vocabulary, else V
     t2 = timer.mark()
     noise = gumbel_noise(base.shape, generator=generator, device=base.device) if do_sample else None
     result = xpress.refine(hidden[:, 1:], base, anchor.view(1), logits_transform=logits_transform, noise=noise)
@@ -515,6 +518,7 @@ class XPressCandidateGenerator(CandidateGenerator):
             stats=self.stats,
             timer=self.timer,
             draft_space=self.draft_space,
+            positions=self.draft_rule.cap,
         )
         self.context_len = anchor_pos
         length = draft_length(result, self.draft_rule.threshold, budget)
@@ -806,7 +810,7 @@ def spec_generate(
             result = draft_block(
                 xpress, embed_tokens, lm_head, sequence[0, -1:], features.to(xpress.device), context_len, draft_cache,
                 logits_transform=transform, do_sample=do_sample, generator=generator, stats=stats, timer=timer,
-                draft_space=draft_space,
+                draft_space=draft_space, positions=draft_rule.cap,  # the cap, not the budget: as compile=True draws
             )  # fmt: skip
             context_len = anchor_pos
             length = draft_length(result, draft_rule.threshold, budget)
