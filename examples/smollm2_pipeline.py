@@ -11,6 +11,7 @@ A stage whose output folder already holds a final model is skipped; an interrupt
 checkpoint. `<out>/training_summary.json` records each stage's command, configuration, steps, wall time and final
 logged losses.
 
+    python examples/smollm2_pipeline.py --out runs/v7 --recipe v7-task
     python examples/smollm2_pipeline.py --out runs/v6 --recipe v6-task   # the bundled checkpoint's run
     python examples/smollm2_pipeline.py --out runs/v3 --recipe v3
     python examples/smollm2_pipeline.py --out runs/v2 --recipe v2   # the first bundled checkpoint's run
@@ -36,6 +37,12 @@ Recipes (each flag can still be set by hand after `--recipe`):
   the task set's held-out prompts (3000..3199), evaluated before the first step too (`--eval-on-start`: the v5 drafter's
   own figure there); then the Markov and xPress heads on it, frozen, as in `v3-heads`. The evaluation prompts are far
   from the v3 data (held-out greedy τ 2.49, evaluation 1.67), and this is the cheapest way to move the drafter there.
+* `v7-task` — the v6 drafter continued on the task-shaped sets, now with prompts 3200..4799 too
+  (`data/smollm2_task_responses_3200-4800`, 300k response tokens v6 never saw), beside the 2,400 general rows; task
+  folders first, so the 100 held-out rows are the same task prompts (3000..3099) that selected v6 and the step-0
+  figure is v6's own. 2,000 steps of a fresh cosine schedule from 1.5e-4 (v6's estimate still rose at its last
+  evaluation, its schedule at 0), then the Markov and xPress heads on it, frozen, 1,000 steps each at 1e-3 (v6's heads
+  peaked at 1,250 of 1,500).
 * `v3-heads` — the Markov and xPress heads trained alone (`--train_mode refiner`) on the committed v3 drafter, frozen,
   1,500 steps each at 1e-3: the v3 head stages restarted the co-trained drafter's learning rate at 6e-4 and ended
   below the drafter they started from, so the heads could not be compared with the drafter itself.
@@ -147,6 +154,12 @@ RECIPES = {
                 "warmup_steps": 100, "head_steps": 1500, "save_steps": 250, "stages": ["drafter", "markov", "xpress"],
                 "head_train_mode": "refiner", "head_learning_rate": 1e-3, "snapshot_dtype": "bfloat16",
                 "snapshots": "checkpoints/training/smollm2-v6"},
+    "v7-task": {"data": "data/smollm2_task_responses,data/smollm2_task_responses_3200-4800,data/smollm2_responses",
+                "continue_from": "checkpoints/training/smollm2-v6/drafter", "signal_cache": "cache/signals-smollm2-v7",
+                "eval_held_out": 100, "eval_on_start": True, "drafter_steps": 2000, "learning_rate": 1.5e-4,
+                "warmup_steps": 100, "head_steps": 1000, "save_steps": 250, "stages": ["drafter", "markov", "xpress"],
+                "head_train_mode": "refiner", "head_learning_rate": 1e-3, "snapshot_dtype": "bfloat16",
+                "snapshots": "checkpoints/training/smollm2-v7"},
 }  # fmt: skip
 
 
