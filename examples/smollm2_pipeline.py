@@ -11,8 +11,8 @@ A stage whose output folder already holds a final model is skipped; an interrupt
 checkpoint. `<out>/training_summary.json` records each stage's command, configuration, steps, wall time and final
 logged losses.
 
-    python examples/smollm2_pipeline.py --out runs/v7 --recipe v7-task
-    python examples/smollm2_pipeline.py --out runs/v6 --recipe v6-task   # the bundled checkpoint's run
+    python examples/smollm2_pipeline.py --out runs/v7 --recipe v7-task   # the bundled checkpoint's run
+    python examples/smollm2_pipeline.py --out runs/v6 --recipe v6-task
     python examples/smollm2_pipeline.py --out runs/v3 --recipe v3
     python examples/smollm2_pipeline.py --out runs/v2 --recipe v2   # the first bundled checkpoint's run
 
