@@ -267,10 +267,10 @@ def jacobi_fixed_iterations(refiner, folded, hidden, base_logits, anchor_ids, *,
     counts = torch.zeros(b, dtype=torch.long, device=tokens.device)
     settled = torch.zeros(b, dtype=torch.bool, device=tokens.device)
     for _ in range(iterations):
-        # refiner.delta_folded(prepared, previous) over the whole block
+        # refiner.delta_folded(prepared, previous) over the m decoded positions
         previous = previous_tokens(anchor_ids, target_ids(tokens, token_ids))  # (b, m)
         c = prepared + torch.einsum("dkj,bjd->bkd", mix, folded.token_table[previous])
-        delta = to_vocabulary(refiner.trans_read(c))  # (b, n, V)
+        delta = to_vocabulary(refiner.trans_read(c))  # (b, m, V)
         processed, new_tokens = decode(base_logits + delta, logits_transform, noise)
         changed = (new_tokens != tokens).any(dim=1)
         counts += (~settled).long()
