@@ -154,12 +154,12 @@ RECIPES = {
                 "warmup_steps": 100, "head_steps": 1500, "save_steps": 250, "stages": ["drafter", "markov", "xpress"],
                 "head_train_mode": "refiner", "head_learning_rate": 1e-3, "snapshot_dtype": "bfloat16",
                 "snapshots": "checkpoints/training/smollm2-v6"},
-    "v7-task": {"data": "data/smollm2_task_responses,data/smollm2_task_responses_3200-4800,data/smollm2_responses",
-                "continue_from": "checkpoints/training/smollm2-v6/drafter", "signal_cache": "cache/signals-smollm2-v7",
-                "eval_held_out": 100, "eval_on_start": True, "drafter_steps": 2000, "learning_rate": 1.5e-4,
-                "warmup_steps": 100, "head_steps": 1000, "save_steps": 250, "stages": ["drafter", "markov", "xpress"],
-                "head_train_mode": "refiner", "head_learning_rate": 1e-3, "snapshot_dtype": "bfloat16",
-                "snapshots": "checkpoints/training/smollm2-v7"},
+}  # fmt: skip
+RECIPES["v7-task"] = {  # v6-task's schedule and selection; more data, another start, fewer steps
+    **RECIPES["v6-task"],
+    "data": "data/smollm2_task_responses,data/smollm2_task_responses_3200-4800,data/smollm2_responses",
+    "continue_from": "checkpoints/training/smollm2-v6/drafter", "signal_cache": "cache/signals-smollm2-v7",
+    "drafter_steps": 2000, "head_steps": 1000, "snapshots": "checkpoints/training/smollm2-v7",
 }  # fmt: skip
 
 

@@ -45,6 +45,7 @@ from .generation import WallClock, spec_generate
 from .latency import capture_blocks, measure_refine_latency
 from .plots import plot_draft_breakdown, plot_refiner_latency, plot_tau_vs_k
 from .compiled import cache_length
+from .configuration_xpress import is_integer
 from .reports import (
     COMPILED_PLAIN,
     COMPILED_SPEC,
@@ -100,7 +101,7 @@ class BenchmarkSettings:
         if any(t < 0 for t in self.temperatures):
             raise ValueError(f"temperatures must be >= 0, got {list(self.temperatures)}")
         cap = self.num_assistant_tokens
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        if cap is not None and (not is_integer(cap) or cap < 1):
             raise ValueError(f"num_assistant_tokens must be a positive int or None (each config's own), got {cap!r}")
         if any(k < 1 for k in self.k_values):
             raise ValueError(f"k_values must be >= 1 (Jacobi iterations), got {list(self.k_values)}")
@@ -197,14 +198,22 @@ def _now(device: torch.device) -> float:
 
 
 @contextlib.contextmanager
-def jacobi_setting(model, max_iters: int, early_exit: bool) -> Iterator[None]:
-    """Temporarily set `config.jacobi_max_iters` / `jacobi_early_exit` (what `refine` reads); always restored."""
-    saved = (model.config.jacobi_max_iters, model.config.jacobi_early_exit)
-    model.config.jacobi_max_iters, model.config.jacobi_early_exit = max_iters, early_exit
+def config_setting(model, **fields) -> Iterator[None]:
+    """Temporarily set fields of `model.config` (what decoding reads: `jacobi_max_iters`, `num_assistant_tokens`, ...);
+    always restored."""
+    saved = {name: getattr(model.config, name) for name in fields}
+    for name, value in fields.items():
+        setattr(model.config, name, value)
     try:
         yield
     finally:
-        model.config.jacobi_max_iters, model.config.jacobi_early_exit = saved
+        for name, value in saved.items():
+            setattr(model.config, name, value)
+
+
+def jacobi_setting(model, max_iters: int, early_exit: bool):
+    """Temporarily set `config.jacobi_max_iters` / `jacobi_early_exit` (what `refine` reads); always restored."""
+    return config_setting(model, jacobi_max_iters=max_iters, jacobi_early_exit=early_exit)
 
 
 def _sampling_kwargs(temperature: float) -> dict:
@@ -406,21 +415,6 @@ def method_info(model) -> dict:
     }  # fmt: skip
 
 
-@contextlib.contextmanager
-def draft_cap(methods: Mapping[str, torch.nn.Module], num_assistant_tokens: int | None) -> Iterator[None]:
-    """Every method's config verifies at most `num_assistant_tokens` drafts per block while inside (None: unchanged);
-    each config's own value is restored afterwards."""
-    saved = {name: model.config.num_assistant_tokens for name, model in methods.items()}
-    try:
-        if num_assistant_tokens is not None:
-            for model in methods.values():
-                model.config.num_assistant_tokens = num_assistant_tokens
-        yield
-    finally:
-        for name, model in methods.items():
-            model.config.num_assistant_tokens = saved[name]
-
-
 def run_benchmark(
     target,
     methods: Mapping[str, torch.nn.Module],
@@ -432,9 +426,13 @@ def run_benchmark(
 ) -> dict:
     """Measure everything (see the module docstring) and return `{"settings", "environment", "methods", "datasets",
     "records", "latency", "summary", "wall_time_s", ...}`; `metadata` is stored as given (e.g. checkpoint paths).
-    `settings.num_assistant_tokens` caps every method's drafts per block for the run (`draft_cap`)."""
+    `settings.num_assistant_tokens` caps every method's drafts per block for the run (each config's own value is
+    restored afterwards)."""
     settings = settings or BenchmarkSettings()
-    with draft_cap(methods, settings.num_assistant_tokens):
+    with contextlib.ExitStack() as caps:
+        if settings.num_assistant_tokens is not None:
+            for model in methods.values():
+                caps.enter_context(config_setting(model, num_assistant_tokens=settings.num_assistant_tokens))
         return _run_benchmark(target, methods, prompt_sets, settings, metadata, progress)
 
 

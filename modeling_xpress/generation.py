@@ -733,8 +733,7 @@ def spec_generate(
     how the graphs compute `F.linear`; "auto" (default) times `x @ W.T` against `(W @ x.T).T` on the models' own
     weights at each graph's row count once, on a CPU, and goes weight-major where that is at least 1.25× faster (on
     some CPU BLAS builds a few-row product is several times faster weight-major); "input_major" / "weight_major" force
-    one. Returns `.sequences` (prompt
-    included) and `.stats`; the stats are also left at `xpress.generation_stats`.
+    one. Returns `.sequences` (prompt included) and `.stats`; the stats are also left at `xpress.generation_stats`.
     """
     check_assistant_call(target, xpress, input_ids)
     draft_rule = draft_length_rule(xpress.config, assistant_confidence_threshold, num_assistant_tokens)

@@ -107,7 +107,8 @@ def test_config_is_restored_after_the_sweep():
 
 def test_draft_cap_applies_to_every_method_for_the_run_only():
     """num_assistant_tokens caps every method's drafts per block in every record (the perfect pair would accept whole
-    blocks: each verification commits the cap + 1), is stored with the methods, and each config's own value is back afterwards."""
+    blocks: each verification commits the cap + 1), is stored with the methods, and each config's own value is back
+    afterwards."""
     target, methods = perfect_methods()
     settings = BenchmarkSettings(max_new_tokens=MAX_NEW, temperatures=(0.0,), k_values=(), adaptive=False,
                                  latency_blocks=1, latency_repeats=1, compiled_plain=False,
