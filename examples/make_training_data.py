@@ -6,6 +6,9 @@
     python examples/make_training_data.py --kinds task --n-prompts 3200 --dtype bfloat16 \
         --out data/smollm2_task_responses --shard-dir cache/regen_task_shards      # task-shaped prompts
 
+    python examples/make_training_data.py --kinds mined --n-prompts 3200 --dtype bfloat16 \
+        --out data/smollm2_mined_responses --shard-dir cache/regen_mined_shards    # mined from the standard library
+
 On a 2-core CPU this takes the better part of an hour, so run it in the background. Finished shards
 are kept in --shard-dir; rerunning the same command resumes where it stopped. The result is
 <out>/responses.parquet (columns input_ids, loss_mask) and <out>/meta.json (counts, token totals,
@@ -23,7 +26,7 @@ import torch
 import transformers
 
 from modeling_xpress import assets
-from modeling_xpress.prompts import PROMPT_KINDS, TASK_KINDS, training_prompts
+from modeling_xpress.prompts import GENERATORS, MINED_KINDS, mined_corpus_version, training_prompts
 from modeling_xpress.regeneration import SHARD_MANIFEST, regenerate_responses
 
 
@@ -34,9 +37,11 @@ def parse_args() -> argparse.Namespace:
                         help="answer prompts first..n-1 only: training_prompts(n) is prefix-stable, so a larger set "
                              "can extend an existing one (e.g. --n-prompts 7200 --first-prompt 2400)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt generator (and of sampling)")
-    parser.add_argument("--kinds", choices=["default", "task"], default="default",
+    parser.add_argument("--kinds", choices=sorted(GENERATORS), default="default",
                         help="default: code, math and chat prompts; task: function stubs, role play, extraction, "
-                        "reasoning puzzles and essays (modeling_xpress.prompts.TASK_KINDS; prompts 3000..3199 held out)")
+                        "reasoning puzzles and essays (modeling_xpress.prompts.TASK_KINDS; prompts 3000..3199 held out); "
+                        "mined: the standard library's documented functions as stubs to complete or code to explain, "
+                        "its documentation as passages (MINED_KINDS; prompts 3000..3199 held out)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--shard-size", type=int, default=64)
@@ -77,7 +82,7 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = assets.load_smollm2(dtype=assets.DTYPES[args.dtype])
-    kinds = TASK_KINDS if args.kinds == "task" else PROMPT_KINDS
+    kinds = GENERATORS[args.kinds]
     prompts = training_prompts(args.n_prompts, seed=args.seed, kinds=kinds)
     if not 0 <= args.first_prompt < args.n_prompts:
         raise SystemExit(f"--first-prompt must be in [0, {args.n_prompts}), got {args.first_prompt}")
@@ -110,7 +115,8 @@ def main() -> None:
             "dtype": args.dtype,
         },
         "prompts": {"generator": "modeling_xpress.prompts.training_prompts", "n": len(prompts), "seed": args.seed,
-                    "indices": [args.first_prompt, args.n_prompts], "kinds": list(kinds)},
+                    "indices": [args.first_prompt, args.n_prompts], "kinds": list(kinds)}
+                   | ({"mined_from": f"the standard library of {mined_corpus_version()}"} if kinds == MINED_KINDS else {}),
         "generation": {
             "max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample,
             "temperature": args.temperature if args.do_sample else None, "batch_size": args.batch_size,

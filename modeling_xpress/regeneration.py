@@ -366,28 +366,49 @@ stops improving, never trained on, and never the evaluation sets (HumanEval, MT-
 TASK_HELD_OUT_PROMPTS = range(3000, 3200)
 """The same for the task-shaped prompts, `training_prompts(n, seed=0, kinds=TASK_KINDS)` (any n ≥ 3200)."""
 
+MINED_HELD_OUT_PROMPTS = range(3000, 3200)
+"""The same for the prompts mined from the standard library, `training_prompts(n, seed=0, kinds=MINED_KINDS)`."""
+
 TASK_INDEX_OFFSET = 1_000_000
-"""Where task-shaped prompt indices start in a joined training set (`load_response_sets`): the two generators number
+"""Where task-shaped prompt indices start in a joined training set (`load_response_sets`): the generators number
 their prompts from 0 each, and a joined set must tell prompt 5 of one from prompt 5 of the other."""
+
+MINED_INDEX_OFFSET = 2_000_000
+"""Where the mined prompts' indices start in a joined training set."""
 
 
 def _kinds_offset(kinds) -> int:
-    from .prompts import PROMPT_KINDS, TASK_KINDS
+    from .prompts import MINED_KINDS, PROMPT_KINDS, TASK_KINDS
 
-    offsets = {PROMPT_KINDS: 0, TASK_KINDS: TASK_INDEX_OFFSET}
+    offsets = {PROMPT_KINDS: 0, TASK_KINDS: TASK_INDEX_OFFSET, MINED_KINDS: MINED_INDEX_OFFSET}
     if tuple(kinds) not in offsets:
-        raise ValueError(f"prompt kinds {list(kinds)} are not a known generator: use PROMPT_KINDS or TASK_KINDS")
+        raise ValueError(
+            f"prompt kinds {list(kinds)} are not a known generator: use PROMPT_KINDS, TASK_KINDS or MINED_KINDS"
+        )
     return offsets[tuple(kinds)]
+
+
+def _held_out_by_offset() -> dict[int, range]:
+    """Each generator's held-out prompt indices by its index offset (read when called)."""
+    return {0: HELD_OUT_PROMPTS, TASK_INDEX_OFFSET: TASK_HELD_OUT_PROMPTS, MINED_INDEX_OFFSET: MINED_HELD_OUT_PROMPTS}
+
+
+def held_out_indices(kinds=None) -> range:
+    """The held-out prompt indices of a generator (`PROMPT_KINDS` when None, `TASK_KINDS`, `MINED_KINDS`), numbered
+    as that generator numbers them."""
+    from .prompts import PROMPT_KINDS
+
+    return _held_out_by_offset()[_kinds_offset(PROMPT_KINDS if kinds is None else kinds)]
 
 
 def held_out_prompts(count: int, kinds=None) -> list[str]:
     """The first `count` held-out prompt texts (`HELD_OUT_PROMPTS` of `training_prompts(seed=0)`, or with
-    `kinds=TASK_KINDS` `TASK_HELD_OUT_PROMPTS` of the task-shaped generator): for choosing settings and for quick
-    measurements that must not touch the training rows or the evaluation sets."""
+    `kinds=TASK_KINDS` / `MINED_KINDS` `TASK_HELD_OUT_PROMPTS` / `MINED_HELD_OUT_PROMPTS` of that generator): for
+    choosing settings and for quick measurements that must not touch the training rows or the evaluation sets."""
     from .prompts import PROMPT_KINDS, training_prompts
 
     kinds = PROMPT_KINDS if kinds is None else tuple(kinds)
-    held = HELD_OUT_PROMPTS if _kinds_offset(kinds) == 0 else TASK_HELD_OUT_PROMPTS
+    held = held_out_indices(kinds)
     if not 1 <= count <= len(held):
         raise ValueError(f"count must be between 1 and {len(held)} held-out prompts, got {count}")
     return list(training_prompts(held.start + count, kinds=kinds)["prompt"][held.start :])
@@ -415,9 +436,10 @@ def load_response_sets(
 
     Each row gains a `prompt_index` column. A prompt index that appears in two folders is refused (the same prompt
     twice would weigh it double and may leak across the split). `held_out` (default `HELD_OUT_PROMPTS`) rows go to
-    the second dataset only (and, by default, `TASK_HELD_OUT_PROMPTS` of task-shaped sets).
+    the second dataset only (and, by default, `TASK_HELD_OUT_PROMPTS` of task-shaped sets and
+    `MINED_HELD_OUT_PROMPTS` of mined ones).
     """
-    default = set(HELD_OUT_PROMPTS) | {TASK_INDEX_OFFSET + i for i in TASK_HELD_OUT_PROMPTS}
+    default = {offset + i for offset, held in _held_out_by_offset().items() for i in held}
     held = default if held_out is None else set(held_out)
     parts, seen = [], set()
     for folder in folders:

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from modeling_xpress import assets
-from modeling_xpress.prompts import PROMPT_KINDS, TASK_KINDS, training_prompts
+from modeling_xpress.prompts import MINED_KINDS, PROMPT_KINDS, TASK_KINDS, training_prompts
 from modeling_xpress.regeneration import load_response_sets, load_responses, regenerate_responses
 
 PAD, EOS = 0, 1
@@ -287,6 +287,39 @@ def test_task_shaped_prompts_are_deterministic_diverse_and_not_evaluation_data()
         assert test.examples and runner.run(test, out=lambda text: None).failed == 0, stub
     with pytest.raises(ValueError, match=r"kinds must be a non-empty list"):
         training_prompts(10, kinds=["code", "sonnets"])
+
+
+def test_mined_prompts_come_from_the_standard_library_and_keep_their_own_held_out_rows(tmp_path):
+    """Prompts mined from local text: documented standard-library functions as stubs (signature and docstring only,
+    valid Python) or as code to explain, and documentation passages; deterministic, distinct, interleaved, never an
+    evaluation prompt; their held-out rows (MINED_HELD_OUT_PROMPTS) stay out of a joined training set."""
+    import ast
+
+    from modeling_xpress.regeneration import MINED_HELD_OUT_PROMPTS, MINED_INDEX_OFFSET, held_out_prompts
+
+    prompts = training_prompts(900, kinds=MINED_KINDS)
+    assert len(set(prompts["prompt"])) == 900 and prompts["kind"][:3] == list(MINED_KINDS)
+    assert training_prompts(90, kinds=MINED_KINDS)["prompt"] == prompts["prompt"][:90]
+    text = "\n".join(prompts["prompt"])
+    for evaluation_string in EVALUATION_STRINGS:
+        assert evaluation_string not in text
+    by_kind = {kind: [p for p, k in zip(prompts["prompt"], prompts["kind"]) if k == kind] for kind in MINED_KINDS}
+    for prompt in by_kind["source_stub"]:
+        tree = ast.parse(prompt.split("```python\n")[1].removesuffix("\n```"))
+        function = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef))
+        assert ast.get_docstring(function) and len(function.body) == 1, prompt  # the docstring is the whole body
+    for prompt in by_kind["source_explain"]:
+        code = prompt.split("```python\n")[1].removesuffix("\n```")
+        assert code.startswith("# from ") and len(ast.parse(code).body[0].body) >= 2, prompt
+    assert all(p.startswith("The following passage is from ") for p in by_kind["doc_passage"])
+    assert len({p.split("```")[1] for p in by_kind["source_stub"]}) > 250  # many functions, not a few templates
+
+    write_response_set(tmp_path / "mined", 2998, 3002, kinds=MINED_KINDS)
+    write_response_set(tmp_path / "task", 2998, 3002, kinds=TASK_KINDS)
+    train, held = load_response_sets([tmp_path / "task", tmp_path / "mined"])
+    assert [i - MINED_INDEX_OFFSET for i in held["prompt_index"][2:]] == list(MINED_HELD_OUT_PROMPTS[:2])
+    assert [i - MINED_INDEX_OFFSET for i in train["prompt_index"][2:]] == [2998, 2999]
+    assert held_out_prompts(2, kinds=MINED_KINDS) == training_prompts(3002, kinds=MINED_KINDS)["prompt"][3000:]
 
 
 def test_response_sets_join_by_prompt_index_and_keep_the_held_out_prompts_apart(tmp_path):
