@@ -52,7 +52,7 @@ from modeling_xpress import XPressConfig, XPressModel
 from modeling_xpress.assets import DTYPES
 from modeling_xpress.regeneration import load_response_sets
 from modeling_xpress.signal_cache import cache_target_signals
-from modeling_xpress.target_init import init_drafter_from_target
+from modeling_xpress.target_init import init_drafter_from_target, read_more_target_layers
 from modeling_xpress.training import (
     XPressTrainer,
     XPressTrainingArguments,
@@ -115,7 +115,9 @@ class ScriptArguments:
         default="",
         metadata={"help": "Fresh drafter: comma-separated target layers it reads as context, e.g. '1,27' (default: "
                   "dFlash's rule for --num_draft_layers). A signal cache holds the features of one such list, so a "
-                  "deeper drafter can reuse a shallower one's cache by passing that cache's layers."},
+                  "deeper drafter can reuse a shallower one's cache by passing that cache's layers. With an xPress "
+                  "--init_from: the layers it reads now plus more, e.g. '1,10,18,27' for one reading '1,27' "
+                  "(modeling_xpress.target_init.read_more_target_layers: the same function at the first step)."},
     )
     draft_intermediate_size: int | None = field(default=None, metadata={"help": "Fresh drafter: MLP width (default: target's)."})
     mask_token_id: int | None = field(default=None, metadata={"help": "Fresh drafter: mask token id (default: learned vector)."})
@@ -225,8 +227,6 @@ def build_drafter(args: ScriptArguments, target, data) -> XPressModel:
             "--init_from (a checkpoint) and --init_from_target_layers (the target's own layers) both say where the "
             "drafter starts: pass one of them"
         )
-    if args.init_from and args.target_layer_ids:
-        raise ValueError("--target_layer_ids shapes a fresh drafter; --init_from keeps the checkpoint's target layers")
     if not args.init_from:
         shape = dict(block_size=args.block_size, num_hidden_layers=args.num_draft_layers, mask_token_id=args.mask_token_id)
         if args.draft_intermediate_size is not None:
@@ -247,8 +247,13 @@ def build_drafter(args: ScriptArguments, target, data) -> XPressModel:
         raise ValueError("--draft_vocab_size shapes a fresh drafter; --init_from keeps the checkpoint's vocabulary")
     folder = Path(args.init_from)
     config = json.loads((folder / "config.json").read_text())
+    if args.target_layer_ids and config.get("model_type") != "xpress":
+        raise ValueError("--target_layer_ids with --init_from widens an xPress checkpoint's context; a dFlash "
+                         "checkpoint keeps its own target layers")  # fmt: skip
     if config.get("model_type") == "xpress":
         model = XPressModel.from_pretrained(folder)
+        if args.target_layer_ids:
+            model = read_more_target_layers(model, integer_list(args.target_layer_ids, "--target_layer_ids"))
         if args.refiner is not None and args.refiner != model.config.refiner:
             # e.g. a drafter trained alone (refiner="none") getting its head: keep the drafter, start the head fresh
             return with_fresh_head(model, args.refiner, args.refiner_rank)

@@ -40,6 +40,7 @@ RoPE, same causal mask: tests/test_target_init.py) as long as the drafter's conf
 Not a file that travels with checkpoints: a saved drafter is an ordinary xPress checkpoint.
 """
 
+import copy
 import math
 from collections.abc import Sequence
 
@@ -198,7 +199,39 @@ def drafter_from_target(
     return init_drafter_from_target(XPressModel(config), target, target_layers)
 
 
+@torch.no_grad()
+def read_more_target_layers(xpress: XPressModel, target_layer_ids: Sequence[int]) -> XPressModel:
+    """A copy of a trained drafter that reads the target at `target_layer_ids`, a list holding every layer it reads
+    now plus others, and computes exactly what it computed: the columns of `fc` for the layers it read keep their
+    weights and move to those layers' new slots (the slots of a layer read twice, as dFlash's rule gives small
+    targets, are summed into one), the new layers' columns start at zero (then `fc` sums the same terms, and
+    `hidden_norm` sees the same input). Training goes on from there and learns what the new context adds (dFlash
+    reads 5 layers of a 36-layer target; EAGLE-3 fuses low, middle and high ones), where a fresh drafter would start
+    over. Raises a `ValueError` for a list that drops a layer, repeats one or leaves the target's range."""
+    old, new = list(xpress.config.target_layer_ids), list(target_layer_ids)
+    dropped = [i for i in old if i not in new]
+    if dropped or len(set(new)) != len(new):
+        raise ValueError(
+            f"target_layer_ids {new} must hold every layer the drafter reads now ({old}) once, plus the layers to add; "
+            f"{'it drops ' + str(dropped) if dropped else 'it repeats a layer'}. To read fewer layers, train a new "
+            "drafter."
+        )
+    widened = copy.deepcopy(xpress)
+    widened.config.target_layer_ids = new
+    widened.config.validate_xpress()  # the new indices are integers inside the target
+    width = xpress.config.target_hidden_size
+    weight = xpress.fc.weight
+    fc = torch.zeros(weight.shape[0], len(new) * width, dtype=weight.dtype, device=weight.device)
+    for slot, layer in enumerate(old):
+        at = new.index(layer)
+        fc[:, at * width : (at + 1) * width] += weight[:, slot * width : (slot + 1) * width]  # a repeated layer: summed
+    widened.fc = nn.Linear(fc.shape[1], fc.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
+    widened.fc.weight.copy_(fc)
+    widened.fc.weight.requires_grad_(weight.requires_grad)
+    return widened
+
+
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "context_slot", "default_copied_layers", "drafter_from_target", "init_drafter_from_target",
-    "resolve_target_layers",
+    "read_more_target_layers", "resolve_target_layers",
 ]  # fmt: skip

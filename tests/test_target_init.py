@@ -10,7 +10,9 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from modeling_xpress import XPressConfig, XPressModel
-from modeling_xpress.target_init import context_slot, drafter_from_target, init_drafter_from_target
+from modeling_xpress.target_init import (
+    context_slot, drafter_from_target, init_drafter_from_target, read_more_target_layers,
+)  # fmt: skip
 from tests.builders import tiny_llama, tiny_qwen3
 
 SEQ = 12
@@ -240,6 +242,43 @@ def test_example_script_starts_the_drafter_from_the_target(tmp_path, monkeypatch
     with pytest.raises(ValueError, match=r"--target_layer_ids must be comma-separated integers, got 'a,b'"):
         run_example(monkeypatch, *common, "--target_layer_ids", "a,b", "--output_dir", str(tmp_path / "e"),
                     "--max_steps", "1")  # fmt: skip
-    with pytest.raises(ValueError, match=r"--init_from keeps the checkpoint's target layers"):
-        run_example(monkeypatch, *common, "--target_layer_ids", "0,2", "--init_from", str(tmp_path / "a"),
-                    "--output_dir", str(tmp_path / "f"), "--max_steps", "1")  # fmt: skip
+    # --target_layer_ids with --init_from: the checkpoint's drafter reading more target layers, the same function
+    run_example(monkeypatch, *common, "--target_layer_ids", "0,1,2,3", "--init_from", str(tmp_path / "d"),
+                "--output_dir", str(tmp_path / "f"), "--max_steps", "1", "--learning_rate", "0")  # fmt: skip
+    widened = XPressModel.from_pretrained(tmp_path / "f")
+    width = target.config.hidden_size
+    assert widened.config.target_layer_ids == [0, 1, 2, 3] and widened.fc.weight.shape[1] == 4 * width
+    torch.testing.assert_close(widened.fc.weight[:, :width], deeper.fc.weight[:, :width], rtol=0, atol=0)  # layer 0
+    torch.testing.assert_close(widened.fc.weight[:, 2 * width : 3 * width], deeper.fc.weight[:, width:], rtol=0, atol=0)
+    assert not widened.fc.weight[:, width : 2 * width].any() and not widened.fc.weight[:, 3 * width :].any()
+    with pytest.raises(ValueError, match=r"must hold every layer the drafter reads now"):
+        run_example(monkeypatch, *common, "--target_layer_ids", "0", "--init_from", str(tmp_path / "d"),
+                    "--output_dir", str(tmp_path / "g"), "--max_steps", "1")  # fmt: skip
+
+
+def test_a_drafter_reading_more_target_layers_computes_what_it_computed():
+    """read_more_target_layers: whatever the new layers' features are, the widened drafter's output is the original's
+    (their fc columns start at zero); the old layers' columns follow their layers to the new slots; the original is
+    untouched; a list that drops or repeats a layer, or leaves the target, is refused."""
+    target = tiny_llama()
+    original = fresh_drafter(target, target_layer_ids=[1, 3])
+    torch.nn.init.normal_(original.fc.weight)
+    widened = read_more_target_layers(original, [0, 1, 2, 3])
+    assert original.config.target_layer_ids == [1, 3] and original.fc.in_features == 2 * 64
+    width, block = target.config.hidden_size, original.config.block_size
+    features = {layer: torch.randn(1, 5, width) for layer in range(4)}
+    noise = torch.randn(1, block, width)
+    with torch.no_grad():
+        before = original(noise, torch.cat([features[1], features[3]], -1)).last_hidden_state
+        after = widened(noise, torch.cat([features[i] for i in range(4)], -1)).last_hidden_state
+    torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-6)
+    for bad, message in [([0, 1], "drops"), ([1, 3, 3], "repeats"), ([1, 3, 4], "out of range")]:
+        with pytest.raises(ValueError, match=message):
+            read_more_target_layers(original, bad)
+    doubled = fresh_drafter(target, target_layer_ids=[1, 1])  # dFlash's rule for a small target can repeat a layer
+    torch.nn.init.normal_(doubled.fc.weight)
+    merged = read_more_target_layers(doubled, [1, 2])
+    with torch.no_grad():
+        before = doubled(noise, torch.cat([features[1], features[1]], -1)).last_hidden_state
+        after = merged(noise, torch.cat([features[1], features[2]], -1)).last_hidden_state
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
