@@ -12,6 +12,7 @@ checkpoint. `<out>/training_summary.json` records each stage's command, configur
 logged losses.
 
     python examples/smollm2_pipeline.py --out runs/v7 --recipe v7-task   # the bundled checkpoint's run
+    python examples/smollm2_pipeline.py --out runs/v8 --recipe v8-mined  # the next run (not run yet)
     python examples/smollm2_pipeline.py --out runs/v6 --recipe v6-task
     python examples/smollm2_pipeline.py --out runs/v3 --recipe v3
     python examples/smollm2_pipeline.py --out runs/v2 --recipe v2   # the first bundled checkpoint's run
@@ -43,6 +44,12 @@ Recipes (each flag can still be set by hand after `--recipe`):
   figure is v6's own. 2,000 steps of a fresh cosine schedule from 1.5e-4 (v6's estimate still rose at its last
   evaluation, its schedule at 0), then the Markov and xPress heads on it, frozen, 1,000 steps each at 1e-3 (v6's heads
   peaked at 1,250 of 1,500).
+* `v8-mined` — the v7 drafter (`drafter-best`) continued as v7 continued v6, with the first prompts mined from the
+  standard library (`data/smollm2_mined_responses`, `make_training_data.py --kinds mined`: documented functions as
+  stubs to complete or code to explain, documentation passages to summarize or explain) beside v7's data; task folders
+  first, so the 100 held-out rows are those that selected v6 and v7. Prepared, not run yet: the lever README's
+  "next levers" names first, the templates' small vocabularies being what the evaluation prompts are far from.
+  `--precision float32` on a CPU without native bf16.
 * `v3-heads` — the Markov and xPress heads trained alone (`--train_mode refiner`) on the committed v3 drafter, frozen,
   1,500 steps each at 1e-3: the v3 head stages restarted the co-trained drafter's learning rate at 6e-4 and ended
   below the drafter they started from, so the heads could not be compared with the drafter itself.
@@ -161,6 +168,13 @@ RECIPES["v7-task"] = {  # v6-task's schedule and selection; more data, another s
     "continue_from": "checkpoints/training/smollm2-v6/drafter", "signal_cache": "cache/signals-smollm2-v7",
     "drafter_steps": 2000, "head_steps": 1000, "snapshots": "checkpoints/training/smollm2-v7",
 }  # fmt: skip
+RECIPES["v8-mined"] = {  # v7-task's schedule and selection; the prompts mined from the standard library added
+    **RECIPES["v7-task"],
+    "data": "data/smollm2_task_responses,data/smollm2_task_responses_3200-4800,data/smollm2_mined_responses,"
+            "data/smollm2_responses",
+    "continue_from": "checkpoints/training/smollm2-v7/drafter-best", "signal_cache": "cache/signals-smollm2-v8",
+    "snapshots": "checkpoints/training/smollm2-v8",
+}  # fmt: skip
 
 
 def run_stage(name: str, args: argparse.Namespace, extra: list[str], summary: dict) -> None:
@@ -170,8 +184,9 @@ def run_stage(name: str, args: argparse.Namespace, extra: list[str], summary: di
         summary.setdefault(name, {}).update(final_logs(out))
         return
     command = [
-        sys.executable, "examples/train_refiner.py", "--target", str(smollm2_dir()), "--target_dtype", "bfloat16",
-        "--data", args.data, "--output_dir", str(out), "--threads", str(args.threads), "--bf16",
+        sys.executable, "examples/train_refiner.py", "--target", str(smollm2_dir()), "--target_dtype", args.precision,
+        "--data", args.data, "--output_dir", str(out), "--threads", str(args.threads),
+        *(["--bf16"] if args.precision == "bfloat16" else []),
         "--per_device_train_batch_size", str(args.batch_size), "--anchors_per_sequence", str(args.anchors),
         "--max_seq_length", str(args.max_seq_length),
         "--learning_rate", str(args.learning_rate if name == "drafter" else args.head_learning_rate),
@@ -239,6 +254,10 @@ def main() -> None:
     parser.add_argument("--anchors", type=int, default=32, help="blocks drawn per sequence")
     parser.add_argument("--max-seq-length", type=int, default=640)
     parser.add_argument("--learning-rate", type=float, default=6e-4)
+    parser.add_argument("--precision", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the target's dtype and the training's autocast (bfloat16: --bf16); float32 on a CPU "
+                        "without native bf16 products (no AVX-512 BF16 / AMX), where compute-bound work runs slower in "
+                        "bf16 (a 2-core AVX2 EPYC: batched generation ~25 vs ~45 new tokens/s)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stages", nargs="+", default=["drafter", *HEADS], choices=["drafter", *HEADS])

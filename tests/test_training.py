@@ -771,9 +771,10 @@ def test_pipeline_snapshots_the_newest_checkpoint_and_keeps_the_best_one_loadabl
 
 
 def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_path, monkeypatch):
-    """smollm2_pipeline recipes v3-heads / v4 / v5-deep / v6-task: the head stages train the head alone (--train_mode refiner) from the
-    given drafter at the head learning rate; v4's drafter stage continues a trained drafter; a frozen-drafter run
-    refuses the dflash stage (it would train nothing)."""
+    """smollm2_pipeline recipes v3-heads / v4 / v5-deep / v6-task / v8-mined: the head stages train the head alone
+    (--train_mode refiner) from the given drafter at the head learning rate; v4's drafter stage continues a trained
+    drafter; --precision float32 drops --bf16 and loads the target in float32; a frozen-drafter run refuses the dflash
+    stage (it would train nothing)."""
     import importlib.util
     import sys
 
@@ -821,6 +822,18 @@ def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_pa
     assert flag(drafter, "--data").split(",") == ["data/smollm2_responses", "data/smollm2_task_responses"]
     assert all("--eval_on_start" not in c for c in heads)
     assert [flag(c, "--init_from") for c in heads] == [str(tmp_path / "v6" / "drafter")] * 2
+
+    assert all("--bf16" in c and flag(c, "--target_dtype") == "bfloat16" for c in commands)
+
+    commands.clear()  # v8-mined: the mined set joins v7's data; float32 where bf16 is emulated
+    argv = ["pipeline", "--recipe", "v8-mined", "--precision", "float32", "--out", str(tmp_path / "v8")]
+    monkeypatch.setattr(sys, "argv", argv)
+    pipeline.main()
+    drafter, *heads = commands
+    assert flag(drafter, "--init_from") == "checkpoints/training/smollm2-v7/drafter-best"
+    assert "data/smollm2_mined_responses" in flag(drafter, "--data").split(",")
+    assert flag(drafter, "--data").startswith("data/smollm2_task_responses,")  # the task held-out rows select
+    assert all("--bf16" not in c and flag(c, "--target_dtype") == "float32" for c in commands)
 
     monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v3-heads", "--stages", "dflash", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
