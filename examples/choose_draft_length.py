@@ -9,7 +9,8 @@ hit every entry alike), greedy, and writes the raw records and a summary as JSON
 The prompts are a held-out split of the training data: `training_prompts(7200, seed=0)` rows 7000..7199 are generated
 like the training prompts but reserved — never trained on — for choices like this one. Never HumanEval / MT-Bench.
 `--kinds task` takes them from the task-shaped set's held-out rows instead (`TASK_HELD_OUT_PROMPTS`: function stubs,
-role play, extraction, puzzles, essays), closer in shape to the evaluation sets without being them.
+role play, extraction, puzzles, essays), closer in shape to the evaluation sets without being them; `--kinds mined`
+from the held-out rows of the prompts mined from the standard library (`MINED_HELD_OUT_PROMPTS`).
 
     python examples/choose_draft_length.py                      # bundled checkpoint, bf16, 1 thread, 10 prompts
     python examples/choose_draft_length.py --thresholds none,0.2,0.4 --caps 4,8 --prompts 20
@@ -33,15 +34,17 @@ from modeling_xpress.assets import DTYPES, load_smollm2
 from modeling_xpress.benchmark import chat_prompt_ids, environment_info, method_info, run_plain
 from modeling_xpress.demo import BUNDLED_CHECKPOINT
 from modeling_xpress.generation import WallClock, spec_generate
-from modeling_xpress.prompts import TASK_KINDS
-from modeling_xpress.regeneration import HELD_OUT_PROMPTS, TASK_HELD_OUT_PROMPTS, held_out_prompts
+from modeling_xpress.prompts import GENERATORS
+from modeling_xpress.regeneration import held_out_indices, held_out_prompts
 
-def settings_of(thresholds: list[float | None], caps: list[int], heads_off: list[float | None]) -> list[dict]:
+def settings_of(thresholds: list[float | None], caps: list[int], heads_off: list[float | None],
+                caps_heads_off: list[int] = ()) -> list[dict]:  # fmt: skip
     """Named spec_generate settings. A threshold of None runs as 0 (no cut) so that the config default, whatever it
     is, does not leak into the baseline; "K=0" runs switch the head off (the drafter's own marginals)."""
     out = [{"name": f"t={t}", "threshold": t, "cap": None, "k0": False} for t in thresholds]
     out += [{"name": f"cap={c}", "threshold": None, "cap": c, "k0": False} for c in caps]
     out += [{"name": f"t={t},K=0", "threshold": t, "cap": None, "k0": True} for t in heads_off]
+    out += [{"name": f"cap={c},K=0", "threshold": None, "cap": c, "k0": True} for c in caps_heads_off]
     return out
 
 
@@ -92,9 +95,10 @@ def main() -> None:
     parser.add_argument("--thresholds", default="none,0.1,0.2,0.3,0.5")
     parser.add_argument("--caps", default="", help="fixed caps (num_assistant_tokens) to compare, e.g. 4,8")
     parser.add_argument("--heads-off", default="none", help="thresholds also run with jacobi_max_iters=0")
+    parser.add_argument("--caps-heads-off", default="", help="caps also run with jacobi_max_iters=0, e.g. 3")
     parser.add_argument("--prompts", type=int, default=10)
-    parser.add_argument("--kinds", choices=["default", "task"], default="default",
-                        help="held-out prompts of the default training set or of the task-shaped one")
+    parser.add_argument("--kinds", choices=sorted(GENERATORS), default="default",
+                        help="held-out prompts of the default training set, the task-shaped one or the mined one")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--threads", type=int, default=1)
@@ -109,11 +113,12 @@ def main() -> None:
 
     target, tokenizer = load_smollm2(dtype=DTYPES[args.dtype])
     xpress = XPressModel.from_pretrained(args.checkpoint, dtype=DTYPES[args.dtype]).eval()
-    kinds = TASK_KINDS if args.kinds == "task" else None
+    kinds = GENERATORS[args.kinds]
     prompts = chat_prompt_ids(tokenizer, held_out_prompts(args.prompts, kinds=kinds))
-    held = TASK_HELD_OUT_PROMPTS if args.kinds == "task" else HELD_OUT_PROMPTS
+    held = held_out_indices(kinds)
     caps = [int(c) for c in args.caps.split(",") if c.strip()]
-    settings = settings_of(parse_thresholds(args.thresholds), caps, parse_thresholds(args.heads_off))
+    caps_off = [int(c) for c in args.caps_heads_off.split(",") if c.strip()]
+    settings = settings_of(parse_thresholds(args.thresholds), caps, parse_thresholds(args.heads_off), caps_off)
     entries = ["plain"] + [s["name"] for s in settings]
     by_name = {s["name"]: s for s in settings}
 
