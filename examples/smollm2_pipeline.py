@@ -12,7 +12,8 @@ checkpoint. `<out>/training_summary.json` records each stage's command, configur
 logged losses.
 
     python examples/smollm2_pipeline.py --out runs/v7 --recipe v7-task   # the bundled checkpoint's run
-    python examples/smollm2_pipeline.py --out runs/v8 --recipe v8-mined  # the next run (not run yet)
+    python examples/smollm2_pipeline.py --out runs/v8 --recipe v8-mined  # the next runs (not run yet)
+    python examples/smollm2_pipeline.py --out runs/v8-wide --recipe v8-wide
     python examples/smollm2_pipeline.py --out runs/v6 --recipe v6-task
     python examples/smollm2_pipeline.py --out runs/v3 --recipe v3
     python examples/smollm2_pipeline.py --out runs/v2 --recipe v2   # the first bundled checkpoint's run
@@ -50,6 +51,10 @@ Recipes (each flag can still be set by hand after `--recipe`):
   first, so the 100 held-out rows are those that selected v6 and v7. Prepared, not run yet: the lever README's
   "next levers" names first, the templates' small vocabularies being what the evaluation prompts are far from.
   `--precision float32` on a CPU without native bf16.
+* `v8-wide` — the context lever alone: the v7 drafter (`drafter-best`) continued on v7's own data and schedule, now
+  reading target layers 1, 10, 18 and 27 (dFlash's rule for a 4-layer drafter of a 30-layer target) instead of 1 and
+  27; `read_more_target_layers` starts the new layers' `fc` columns at zero, so step 0 is v7's drafter exactly. Its
+  signal cache holds four layers (about twice v7's 5.3 GB). Prepared, not run yet.
 * `v3-heads` — the Markov and xPress heads trained alone (`--train_mode refiner`) on the committed v3 drafter, frozen,
   1,500 steps each at 1e-3: the v3 head stages restarted the co-trained drafter's learning rate at 6e-4 and ended
   below the drafter they started from, so the heads could not be compared with the drafter itself.
@@ -168,6 +173,11 @@ RECIPES["v7-task"] = {  # v6-task's schedule and selection; more data, another s
     "continue_from": "checkpoints/training/smollm2-v6/drafter", "signal_cache": "cache/signals-smollm2-v7",
     "drafter_steps": 2000, "head_steps": 1000, "snapshots": "checkpoints/training/smollm2-v7",
 }  # fmt: skip
+RECIPES["v8-wide"] = {  # v7-task's data, schedule and selection; the v7 drafter reading dFlash's four layers
+    **RECIPES["v7-task"],
+    "continue_from": "checkpoints/training/smollm2-v7/drafter-best", "target_layer_ids": "1,10,18,27",
+    "signal_cache": "cache/signals-smollm2-v8-wide", "snapshots": "checkpoints/training/smollm2-v8-wide",
+}  # fmt: skip
 RECIPES["v8-mined"] = {  # v7-task's schedule and selection; the prompts mined from the standard library added
     **RECIPES["v7-task"],
     "data": "data/smollm2_task_responses,data/smollm2_task_responses_3200-4800,data/smollm2_mined_responses,"
@@ -225,7 +235,8 @@ def main() -> None:
     parser.add_argument("--head-steps", type=int, default=150, help="equal budget for each continuation")
     parser.add_argument("--num-draft-layers", type=int, default=2)
     parser.add_argument("--target-layer-ids", help="drafter stage: the target layers it reads, e.g. 1,27 (default: "
-                        "dFlash's rule for --num-draft-layers; a signal cache holds one such list)")
+                        "dFlash's rule for --num-draft-layers; a signal cache holds one such list); with "
+                        "--continue-from, the layers the drafter reads plus more (read_more_target_layers)")
     parser.add_argument("--drafter-init", choices=["scratch", "target"],
                         help="drafter stage: random weights, or the target's last --num-draft-layers layers")
     parser.add_argument("--draft-vocab-size", type=int, help="drafter stage: frequency-ranked draft vocabulary")
@@ -298,8 +309,8 @@ def main() -> None:
                     extra += ["--init_from_target_layers", "last"]
                 if args.draft_vocab_size:
                     extra += ["--draft_vocab_size", str(args.draft_vocab_size)]
-                if args.target_layer_ids:
-                    extra += ["--target_layer_ids", args.target_layer_ids]
+            if args.target_layer_ids:  # a fresh drafter's context, or more layers for a continued one
+                extra += ["--target_layer_ids", args.target_layer_ids]
         else:
             extra = ["--init_from", str(drafter), "--refiner", REFINER_OF[stage], "--refiner_rank",
                      str(args.refiner_rank), "--max_steps", str(args.head_steps), "--warmup_steps", "10",

@@ -834,6 +834,15 @@ def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_pa
     assert "data/smollm2_mined_responses" in flag(drafter, "--data").split(",")
     assert flag(drafter, "--data").startswith("data/smollm2_task_responses,")  # the task held-out rows select
     assert all("--bf16" not in c and flag(c, "--target_dtype") == "float32" for c in commands)
+    assert "--target_layer_ids" not in drafter  # it keeps the layers it reads
+
+    commands.clear()  # v8-wide: the v7 drafter continued, reading two more target layers
+    monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v8-wide", "--out", str(tmp_path / "v8-wide")])
+    pipeline.main()
+    drafter, *heads = commands
+    assert flag(drafter, "--init_from") == "checkpoints/training/smollm2-v7/drafter-best"
+    assert flag(drafter, "--target_layer_ids") == "1,10,18,27" and "--num_draft_layers" not in drafter
+    assert all("--target_layer_ids" not in c for c in heads)
 
     monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v3-heads", "--stages", "dflash", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
