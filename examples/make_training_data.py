@@ -6,7 +6,7 @@
     python examples/make_training_data.py --kinds task --n-prompts 3200 --dtype bfloat16 \
         --out data/smollm2_task_responses --shard-dir cache/regen_task_shards      # task-shaped prompts
 
-    python examples/make_training_data.py --kinds mined --n-prompts 3200 --dtype bfloat16 \
+    python examples/make_training_data.py --kinds mined --n-prompts 1600 --dtype float32 \
         --out data/smollm2_mined_responses --shard-dir cache/regen_mined_shards    # mined from the standard library
 
 On a 2-core CPU this takes the better part of an hour, so run it in the background. Finished shards

@@ -48,8 +48,8 @@ Recipes (each flag can still be set by hand after `--recipe`):
 * `v8-mined` — the v7 drafter (`drafter-best`) continued as v7 continued v6, with the first prompts mined from the
   standard library (`data/smollm2_mined_responses`, `make_training_data.py --kinds mined`: documented functions as
   stubs to complete or code to explain, documentation passages to summarize or explain) beside v7's data; task folders
-  first, so the 100 held-out rows are those that selected v6 and v7. Prepared, not run yet: the lever README's
-  "next levers" names first, the templates' small vocabularies being what the evaluation prompts are far from.
+  first, so the 100 held-out rows are those that selected v6 and v7. Prepared, not run yet: the first of the README's
+  next levers, since templates over small vocabularies are what the evaluation prompts are far from.
   `--precision float32` on a CPU without native bf16.
 * `v8-wide` — the context lever alone: the v7 drafter (`drafter-best`) continued on v7's own data and schedule, now
   reading target layers 1, 10, 18 and 27 (dFlash's rule for a 4-layer drafter of a 30-layer target) instead of 1 and

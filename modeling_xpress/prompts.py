@@ -1,8 +1,10 @@
-"""Training prompts written by our own code: templates, vocabularies and random numbers.
+"""Training prompts made by our own code: templates, vocabularies and random numbers, or text mined from the standard
+library installed here.
 
 A drafter is trained on what *its target* answers (paper section 4.3; SPEC section 4), so the prompts only need to be
-varied, not answered: :func:`training_prompts` builds a few thousand of them (code, math, chat). They never come from
-HumanEval or MT-Bench, which are the evaluation sets (:mod:`modeling_xpress.assets`). The target's answers are made by
+varied, not answered: :func:`training_prompts` builds a few thousand of them (code, math, chat; task-shaped kinds;
+or kinds mined from the installed standard library's code and documentation). They never come from HumanEval or
+MT-Bench, which are the evaluation sets (:mod:`modeling_xpress.assets`). The target's answers are made by
 :func:`modeling_xpress.regeneration.regenerate_responses`.
 """
 
