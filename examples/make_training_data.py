@@ -26,7 +26,7 @@ import torch
 import transformers
 
 from modeling_xpress import assets
-from modeling_xpress.prompts import GENERATORS, MINED_KINDS, mined_corpus_version, training_prompts
+from modeling_xpress.prompts import GENERATORS, mined_corpus_version, training_prompts
 from modeling_xpress.regeneration import SHARD_MANIFEST, regenerate_responses
 
 
@@ -39,9 +39,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt generator (and of sampling)")
     parser.add_argument("--kinds", choices=sorted(GENERATORS), default="default",
                         help="default: code, math and chat prompts; task: function stubs, role play, extraction, "
-                        "reasoning puzzles and essays (modeling_xpress.prompts.TASK_KINDS; prompts 3000..3199 held out); "
-                        "mined: the standard library's documented functions as stubs to complete or code to explain, "
-                        "its documentation as passages (MINED_KINDS; prompts 3000..3199 held out)")
+                        "reasoning puzzles and essays (modeling_xpress.prompts.TASK_KINDS; prompts 3000..3199 held "
+                        "out); mined: the standard library's documented functions as stubs to complete or code to "
+                        "explain, its documentation as passages (MINED_KINDS; prompts 3000..3199 held out)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--shard-size", type=int, default=64)
@@ -116,7 +116,8 @@ def main() -> None:
         },
         "prompts": {"generator": "modeling_xpress.prompts.training_prompts", "n": len(prompts), "seed": args.seed,
                     "indices": [args.first_prompt, args.n_prompts], "kinds": list(kinds)}
-                   | ({"mined_from": f"the standard library of {mined_corpus_version()}"} if kinds == MINED_KINDS else {}),
+                   | ({"mined_from": f"the standard library of {mined_corpus_version()}"} if args.kinds == "mined"
+                      else {}),
         "generation": {
             "max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample,
             "temperature": args.temperature if args.do_sample else None, "batch_size": args.batch_size,
