@@ -654,10 +654,12 @@ def mined_corpus_version() -> str:
     return f"CPython {sys.version.split()[0]}" if sys.implementation.name == "cpython" else sys.version.split()[0]
 
 
-def _stdlib_files() -> list[Path]:
+def _stdlib_modules() -> list[tuple[str, Path]]:
+    """(dotted module name, file) of the standard library's Python files, skipped folders left out, in name order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [path for path in root.rglob("*.py") if not _SKIPPED_STDLIB_PARTS & set(path.relative_to(root).parts)]
-    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
+    files = [path.relative_to(root) for path in root.rglob("*.py")]
+    files = sorted((path for path in files if not _SKIPPED_STDLIB_PARTS & set(path.parts)), key=Path.as_posix)
+    return [(".".join(path.with_suffix("").parts).removesuffix(".__init__"), root / path) for path in files]
 
 
 def _prose(text: str | None, min_chars: int = 300, max_chars: int = 1400) -> list[str]:
@@ -693,9 +695,7 @@ def _stdlib_corpus() -> tuple[tuple, tuple, tuple]:
         topics = {}
     for name in sorted(topics):
         passages += [(f"the Python language reference, topic '{name}'", p) for p in _prose(topics[name])]
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in _stdlib_files():
-        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+    for module, path in _stdlib_modules():
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)

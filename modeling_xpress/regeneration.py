@@ -377,20 +377,24 @@ MINED_INDEX_OFFSET = 2_000_000
 """Where the mined prompts' indices start in a joined training set."""
 
 
-def _kinds_offset(kinds) -> int:
+def _generators() -> dict[tuple, tuple[int, range]]:
+    """Each prompt generator's kinds → (index offset in a joined set, held-out prompt indices), read when called."""
     from .prompts import MINED_KINDS, PROMPT_KINDS, TASK_KINDS
 
-    offsets = {PROMPT_KINDS: 0, TASK_KINDS: TASK_INDEX_OFFSET, MINED_KINDS: MINED_INDEX_OFFSET}
-    if tuple(kinds) not in offsets:
+    return {
+        PROMPT_KINDS: (0, HELD_OUT_PROMPTS),
+        TASK_KINDS: (TASK_INDEX_OFFSET, TASK_HELD_OUT_PROMPTS),
+        MINED_KINDS: (MINED_INDEX_OFFSET, MINED_HELD_OUT_PROMPTS),
+    }
+
+
+def _generator(kinds) -> tuple[int, range]:
+    generators = _generators()
+    if tuple(kinds) not in generators:
         raise ValueError(
             f"prompt kinds {list(kinds)} are not a known generator: use PROMPT_KINDS, TASK_KINDS or MINED_KINDS"
         )
-    return offsets[tuple(kinds)]
-
-
-def _held_out_by_offset() -> dict[int, range]:
-    """Each generator's held-out prompt indices by its index offset (read when called)."""
-    return {0: HELD_OUT_PROMPTS, TASK_INDEX_OFFSET: TASK_HELD_OUT_PROMPTS, MINED_INDEX_OFFSET: MINED_HELD_OUT_PROMPTS}
+    return generators[tuple(kinds)]
 
 
 def held_out_indices(kinds=None) -> range:
@@ -398,7 +402,7 @@ def held_out_indices(kinds=None) -> range:
     as that generator numbers them."""
     from .prompts import PROMPT_KINDS
 
-    return _held_out_by_offset()[_kinds_offset(PROMPT_KINDS if kinds is None else kinds)]
+    return _generator(PROMPT_KINDS if kinds is None else kinds)[1]
 
 
 def held_out_prompts(count: int, kinds=None) -> list[str]:
@@ -425,7 +429,7 @@ def response_prompt_indices(folder: str | os.PathLike) -> range:
         raise ValueError(f"{folder} has no meta.json: pass a folder written by examples/make_training_data.py")
     prompts = json.loads(meta_path.read_text())["prompts"]
     first, end = prompts.get("indices", [0, prompts["n"]])
-    offset = _kinds_offset(prompts.get("kinds", PROMPT_KINDS))
+    offset = _generator(prompts.get("kinds", PROMPT_KINDS))[0]
     return range(offset + first, offset + end)
 
 
@@ -439,7 +443,7 @@ def load_response_sets(
     the second dataset only (and, by default, `TASK_HELD_OUT_PROMPTS` of task-shaped sets and
     `MINED_HELD_OUT_PROMPTS` of mined ones).
     """
-    default = {offset + i for offset, held in _held_out_by_offset().items() for i in held}
+    default = {offset + i for offset, held in _generators().values() for i in held}
     held = default if held_out is None else set(held_out)
     parts, seen = [], set()
     for folder in folders:
