@@ -774,7 +774,7 @@ def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_pa
     """smollm2_pipeline recipes v3-heads / v4 / v5-deep / v6-task / v8-mined: the head stages train the head alone
     (--train_mode refiner) from the given drafter at the head learning rate; v4's drafter stage continues a trained
     drafter; --precision float32 drops --bf16 and loads the target in float32; a frozen-drafter run refuses the dflash
-    stage (it would train nothing)."""
+    stage (it would train nothing); `--signal-cache ""` trains against the live target."""
     import importlib.util
     import sys
 
@@ -835,6 +835,13 @@ def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_pa
     assert flag(drafter, "--data").startswith("data/smollm2_task_responses,")  # the task held-out rows select
     assert all("--bf16" not in c and flag(c, "--target_dtype") == "float32" for c in commands)
     assert "--target_layer_ids" not in drafter  # it keeps the layers it reads
+    assert all(flag(c, "--signal_cache") == "cache/signals-smollm2-v8" for c in commands)
+
+    commands.clear()  # --signal-cache '': the same stage against the live target (how v8 ran on an AVX2 CPU)
+    argv += ["--signal-cache", "", "--stages", "drafter"]
+    monkeypatch.setattr(sys, "argv", argv)
+    pipeline.main()
+    assert len(commands) == 1 and "--signal_cache" not in commands[0]
 
     commands.clear()  # v8-wide: the v7 drafter continued, reading two more target layers
     monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v8-wide", "--out", str(tmp_path / "v8-wide")])
