@@ -209,19 +209,19 @@ def run_stage(name: str, args: argparse.Namespace, extra: list[str], summary: di
     ]  # fmt: skip
     if args.signal_cache:
         command += ["--signal_cache", args.signal_cache]
+    resume = last_checkpoint(out)
+    snapshot = Path(args.snapshots) / name if args.snapshots else None
+    if resume is None and snapshot is not None and (snapshot / "trainer_state.json").is_file():
+        resume = snapshot  # a run started in an earlier session (`--write-snapshots` there)
     if args.eval_held_out:
-        if args.eval_on_start and name == "drafter":
-            command += ["--eval_on_start", "true"]  # the step-0 figure: the drafter the run starts from
+        if args.eval_on_start and name == "drafter" and resume is None:
+            command += ["--eval_on_start", "true"]  # the step-0 figure, once: a resumed run has it in its log
         command += [
             "--eval_held_out", str(args.eval_held_out), "--eval_strategy", "steps", "--eval_steps", str(args.save_steps),
             "--load_best_model_at_end", "true", "--metric_for_best_model", "eval_tau_estimate",
             "--greater_is_better", "true", "--early_stopping_patience", str(args.patience),
             "--per_device_eval_batch_size", str(args.batch_size),
         ]  # fmt: skip
-    resume = last_checkpoint(out)
-    snapshot = Path(args.snapshots) / name if args.snapshots else None
-    if resume is None and snapshot is not None and (snapshot / "trainer_state.json").is_file():
-        resume = snapshot  # a run started in an earlier session (`--write-snapshots` there)
     if resume is not None:
         command += ["--resume_from_checkpoint", str(resume)]
     print(f"[{name}] {' '.join(command)}", flush=True)

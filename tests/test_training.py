@@ -814,7 +814,8 @@ def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_pa
     assert flag(drafter, "--warmup_steps") == "20" and "--eval_on_start" not in drafter
 
     commands.clear()  # v6-task: the v5 drafter continued on task-shaped data, its starting figure evaluated first
-    monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v6-task", "--out", str(tmp_path / "v6")])
+    argv = ["pipeline", "--recipe", "v6-task", "--out", str(tmp_path / "v6"), "--snapshots", str(tmp_path / "none")]
+    monkeypatch.setattr(sys, "argv", argv)  # no snapshot to resume: a fresh run
     pipeline.main()
     drafter, *heads = commands
     assert flag(drafter, "--init_from") == "checkpoints/training/smollm2-v5/drafter-best"
@@ -842,6 +843,9 @@ def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_pa
     monkeypatch.setattr(sys, "argv", argv)
     pipeline.main()
     assert len(commands) == 1 and "--signal_cache" not in commands[0]
+    # it resumes the committed v8 snapshot, whose log already holds the step-0 evaluation: not run again
+    assert flag(commands[0], "--resume_from_checkpoint") == "checkpoints/training/smollm2-v8/drafter"
+    assert "--eval_on_start" not in commands[0]
 
     commands.clear()  # v8-wide: the v7 drafter continued, reading two more target layers
     monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v8-wide", "--out", str(tmp_path / "v8-wide")])
