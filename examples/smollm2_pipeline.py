@@ -265,6 +265,10 @@ def main() -> None:
                         help="head stages: co-train the drafter with the head (full) or train the head alone on the "
                         "frozen drafter (refiner; then the no-head baseline is the drafter itself, no dflash stage)")
     parser.add_argument("--head-learning-rate", type=float, help="head stages (default: --learning-rate)")
+    parser.add_argument("--head-train-rows", type=int,
+                        help="head stages: train on this many training rows, a seeded random choice (--seed) shared "
+                        "by every head stage (train_refiner.py --max_train_samples N --train_rows_seed), so one "
+                        "--signal-cache of just those rows serves them all; default: every row")
     parser.add_argument("--refiner-rank", type=int, default=64, help="rank of the Markov and xPress heads")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--anchors", type=int, default=32, help="blocks drawn per sequence")
@@ -320,6 +324,8 @@ def main() -> None:
             extra = ["--init_from", str(drafter), "--refiner", REFINER_OF[stage], "--refiner_rank",
                      str(args.refiner_rank), "--max_steps", str(args.head_steps), "--warmup_steps", "10",
                      "--train_mode", args.head_train_mode]  # fmt: skip
+            if args.head_train_rows:
+                extra += ["--max_train_samples", str(args.head_train_rows), "--train_rows_seed", str(args.seed)]
         run_stage(stage, args, extra, summary)
         summary_path.parent.mkdir(parents=True, exist_ok=True)
         summary_path.write_text(json.dumps(summary, indent=2, default=str))

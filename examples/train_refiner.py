@@ -87,6 +87,13 @@ class ScriptArguments:
                   "prompts, modeling_xpress.regeneration.HELD_OUT_PROMPTS, are kept out of training)."},
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training rows."})
+    train_rows_seed: int | None = field(
+        default=None,
+        metadata={"help": "With --max_train_samples: a seeded random choice of N training rows (datasets' shuffle) "
+                  "instead of the first N, so a subset of comma-separated --data folders mixes their kinds (their "
+                  "rows come folder by folder). The choice depends on this seed alone, so every stage given the same "
+                  "seed and N reads the same rows and can share one --signal_cache of them."},
+    )
     eval_held_out: int = field(
         default=0,
         metadata={"help": "Evaluate on the first N held-out rows of comma-separated --data folders (with "
@@ -194,7 +201,11 @@ def load_data(args: ScriptArguments, target, seed: int) -> tuple[datasets.Datase
     missing = {"input_ids", "loss_mask"} - set(data.column_names)
     if missing:
         raise ValueError(f"{args.data or 'the data'} lacks the columns {sorted(missing)}; need input_ids and loss_mask")
+    if args.train_rows_seed is not None and args.max_train_samples is None:
+        raise ValueError("--train_rows_seed chooses which --max_train_samples rows to use; pass --max_train_samples N")
     if args.max_train_samples is not None:
+        if args.train_rows_seed is not None:
+            data = data.shuffle(seed=args.train_rows_seed)
         data = data.select(range(min(args.max_train_samples, len(data))))
     if args.eval_held_out:
         if held_out is None or len(held_out) == 0:

@@ -653,6 +653,35 @@ def test_example_script_trains_on_joined_sets_with_a_draft_vocabulary_and_stops_
     assert (tmp_path / "signals-held-out" / "manifest.json").is_file()
 
 
+def test_example_script_trains_on_a_seeded_random_subset_of_joined_sets(tmp_path):
+    """--max_train_samples N --train_rows_seed S: N rows drawn from every folder (not the first folder's first N), the
+    same rows for the same seed (so head stages share one signal cache of them), others for another seed; the seed
+    alone is refused, since it would silently train on every row."""
+    import importlib.util
+
+    from tests.test_data import write_response_set
+
+    spec = importlib.util.spec_from_file_location("train_refiner", ROOT / "examples" / "train_refiner.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    write_response_set(tmp_path / "a", 0, 20)
+    write_response_set(tmp_path / "b", 20, 40)
+    data = f"{tmp_path / 'a'},{tmp_path / 'b'}"
+
+    def first_tokens(**subset):
+        rows, _ = script.load_data(script.ScriptArguments(target="unused", data=data, **subset), None, 0)
+        return [ids[0] for ids in rows["input_ids"]]
+
+    assert first_tokens(max_train_samples=8) == list(range(8))  # the first N: folder a only
+    chosen = first_tokens(max_train_samples=8, train_rows_seed=0)
+    assert len(set(chosen)) == 8 and set(chosen) <= set(range(40))
+    assert min(chosen) < 20 <= max(chosen)  # both folders
+    assert first_tokens(max_train_samples=8, train_rows_seed=0) == chosen
+    assert first_tokens(max_train_samples=8, train_rows_seed=1) != chosen
+    with pytest.raises(ValueError, match="--max_train_samples"):
+        first_tokens(train_rows_seed=0)
+
+
 def test_logged_training_time_continues_across_a_resume(tmp_path, monkeypatch):
     """`train_seconds` in the logs is the training's wall time over every run: a resumed run (a new process, its clock
     starting from zero) continues from the interrupted run's last logged value instead of restarting at 0."""
@@ -837,6 +866,14 @@ def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_pa
     assert all("--bf16" not in c and flag(c, "--target_dtype") == "float32" for c in commands)
     assert "--target_layer_ids" not in drafter  # it keeps the layers it reads
     assert all(flag(c, "--signal_cache") == "cache/signals-smollm2-v8" for c in commands)
+    assert all("--max_train_samples" not in c for c in commands)  # every row unless asked
+
+    commands.clear()  # --head-train-rows: the head stages share a seeded subset (and its cache); the drafter does not
+    monkeypatch.setattr(sys, "argv", argv + ["--head-train-rows", "4000", "--seed", "3"])
+    pipeline.main()
+    drafter, *heads = commands
+    assert "--max_train_samples" not in drafter and "--train_rows_seed" not in drafter
+    assert [(flag(c, "--max_train_samples"), flag(c, "--train_rows_seed")) for c in heads] == [("4000", "3")] * 2
 
     commands.clear()  # --signal-cache '': the same stage against the live target (how v8 ran on an AVX2 CPU)
     argv += ["--signal-cache", "", "--stages", "drafter"]
