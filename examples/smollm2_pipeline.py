@@ -12,7 +12,7 @@ checkpoint. `<out>/training_summary.json` records each stage's command, configur
 logged losses.
 
     python examples/smollm2_pipeline.py --out runs/v7 --recipe v7-task   # the bundled checkpoint's run
-    python examples/smollm2_pipeline.py --out runs/v8 --recipe v8-mined  # drafter run (2,000 steps); heads not yet
+    python examples/smollm2_pipeline.py --out runs/v8 --recipe v8-mined  # drafter (2,000 steps), then the heads
     python examples/smollm2_pipeline.py --out runs/v8-wide --recipe v8-wide
     python examples/smollm2_pipeline.py --out runs/v6 --recipe v6-task
     python examples/smollm2_pipeline.py --out runs/v3 --recipe v3
@@ -54,7 +54,10 @@ Recipes (each flag can still be set by hand after `--recipe`):
   `--precision float32` on a CPU without native bf16. There, a signal cache of all 8,600 rows costs about as
   much target compute as the 2,000 drafter steps read (396 fp32 tokens/s on a 2-core AVX2 EPYC: ~100 minutes before
   the first step), so `--signal-cache '' --stages drafter` trains the drafter against the live target (~7 s per step
-  there) and its snapshots carry the run to the next session, whatever its machine.
+  there) and its snapshots carry the run to the next session, whatever its machine. The heads then ran on a CPU with
+  native bf16, from a cache of just the rows they read: `--drafter-from checkpoints/training/smollm2-v8/drafter
+  --stages markov xpress --head-train-rows 4000 --signal-cache cache/signals-smollm2-v8-heads4000` (10 min of cache,
+  then ~4.5 min per head there).
 * `v8-wide` — the context lever alone: the v7 drafter (`drafter-best`) continued on v7's own data and schedule, now
   reading target layers 1, 10, 18 and 27 (dFlash's rule for a 4-layer drafter of a 30-layer target) instead of 1 and
   27; `read_more_target_layers` starts the new layers' `fc` columns at zero, so step 0 is v7's drafter exactly. Its
