@@ -6,6 +6,10 @@
                            checkpoints/training/smollm2-v3-heads/training_summary.json:markov,xpress \\
         --out checkpoints/xpress-smollm2-135m-instruct
 
+`--acceptance` takes held-out decoding runs of the same checkpoint (`examples/choose_draft_length.py`, whole blocks:
+its `t=None` setting) and stores the fraction of blocks whose first k drafts were accepted as `config.draft_acceptance`,
+which `spec_generate(..., num_assistant_tokens="auto")` and `make demo` weigh against this machine's verification cost.
+
 The weights are saved in `--dtype` (bfloat16 keeps the folder small; `from_pretrained(..., dtype=torch.float32)`
 upcasts them exactly). The card is rendered with huggingface_hub's card tools from
 `modeling_xpress/hub_cards/xpress_model_card.md`; its table is `reports.card_rows(summarize(results))`, recomputed
@@ -21,6 +25,7 @@ import torch
 from modeling_xpress import XPressModel
 from modeling_xpress.assets import DTYPES
 from modeling_xpress.cards import render_model_card
+from modeling_xpress.draft_cap import acceptance_from_blocks
 from modeling_xpress.reports import card_rows, summarize
 
 TARGET_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -94,6 +99,22 @@ def training_text(stages: dict) -> str:
     return "\n".join(lines)
 
 
+def held_out_acceptance(paths: list[str], checkpoint: str, block_size: int) -> list[float]:
+    """`draft_acceptance` from the whole-block blocks (setting `t=None`) of choose_draft_length runs of `checkpoint`."""
+    lengths, drafts = [], []
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        if Path(run["arguments"]["checkpoint"]).resolve() != Path(checkpoint).resolve():
+            raise SystemExit(f"{path} decoded {run['arguments']['checkpoint']}, not --checkpoint {checkpoint}")
+        rows = [r for r in run["records"] if r["entry"] == "t=None"]
+        if not rows:
+            raise SystemExit(f"{path} has no whole-block setting (t=None): run choose_draft_length with --thresholds none")
+        for row in rows:
+            lengths += row["acceptance_lengths"]
+            drafts += row["draft_lengths"]
+    return acceptance_from_blocks(lengths, drafts, block_size)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="trained xPress folder (refiner='xpress')")
@@ -104,11 +125,17 @@ def main() -> None:
                         "runs/v3/training_summary.json:drafter runs/v3-heads/training_summary.json:markov,xpress")
     parser.add_argument("--out", default="checkpoints/xpress-smollm2-135m-instruct")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--acceptance", nargs="+", metavar="JSON", default=[],
+                        help="held-out decoding JSON(s) of this checkpoint by examples/choose_draft_length.py (with "
+                        "its whole-block setting t=None): stored as config.draft_acceptance")
     parser.add_argument("--repo-id", default="xpress/xpress-smollm2-135m-instruct", help="name shown in the card")
     args = parser.parse_args()
 
     model = XPressModel.from_pretrained(args.checkpoint, dtype=DTYPES[args.dtype])
     model.config.target_model_name = TARGET_REPO  # training saw a local folder; the card and config name the Hub repo
+    if args.acceptance:
+        model.config.draft_acceptance = held_out_acceptance(args.acceptance, args.checkpoint, model.config.block_size)
+        print("draft_acceptance (held-out):", " ".join(f"{a:.3f}" for a in model.config.draft_acceptance))
     results = merge_results([json.loads(Path(path).read_text()) for path in args.results])
     stages = {}
     for spec in args.training_summary:

@@ -15,6 +15,12 @@ from the held-out rows of the prompts mined from the standard library (`MINED_HE
     python examples/choose_draft_length.py                      # bundled checkpoint, bf16, 1 thread, 10 prompts
     python examples/choose_draft_length.py --thresholds none,0.2,0.4 --caps 4,8 --prompts 20
     python examples/choose_draft_length.py --compile --dtype float32 --threads 2 --caps 1,3,7
+    python examples/choose_draft_length.py --compile --dtype float32 --threads 2 --caps 1,2,3,4,auto
+
+A cap of `auto` is `num_assistant_tokens="auto"`: the cap chosen on this machine from the checkpoint's
+`config.draft_acceptance` (`draft_cap.choose_draft_cap`, printed). Every setting that verifies whole blocks with the
+head on (`t=None`) also reports `draft_acceptance`, the fraction of blocks whose first k drafts were accepted
+(`draft_cap.acceptance_from_blocks`): what `examples/bundle_checkpoint.py --acceptance` stores in the config.
 
 With `--compile` the settings run `spec_generate(compile=True)` (one static cache length for all prompts, every
 setting compiled before timing). The compiled loop verifies a bucketed width (2, 4, 8 or the whole block) that holds
@@ -33,6 +39,7 @@ from modeling_xpress import XPressModel
 from modeling_xpress.assets import DTYPES, load_smollm2
 from modeling_xpress.benchmark import chat_prompt_ids, environment_info, method_info, run_plain
 from modeling_xpress.demo import BUNDLED_CHECKPOINT
+from modeling_xpress.draft_cap import acceptance_from_blocks
 from modeling_xpress.generation import WallClock, spec_generate
 from modeling_xpress.prompts import GENERATORS
 from modeling_xpress.regeneration import held_out_indices, held_out_prompts
@@ -64,7 +71,7 @@ def run_setting(target, xpress, ids, max_new_tokens: int, setting: dict, compile
         xpress.config.jacobi_max_iters = saved
 
 
-def summarize(records: list[dict], names: list[str]) -> dict[str, dict]:
+def summarize(records: list[dict], names: list[str], block_size: int | None = None) -> dict[str, dict]:
     plain = [r for r in records if r["entry"] == "plain"]
     plain_rate = sum(r["new_tokens"] for r in plain) / sum(r["seconds"] for r in plain)
     out = {"plain": {"tokens_per_s": plain_rate, "speed_vs_plain": 1.0}}
@@ -82,6 +89,8 @@ def summarize(records: list[dict], names: list[str]) -> dict[str, dict]:
             "identical_to_plain": sum(r["identical_to_plain"] for r in rows),
             "prompts": len(rows),
         }
+        if name == "t=None" and block_size is not None:  # whole blocks, head on: every position is measured
+            out[name]["draft_acceptance"] = acceptance_from_blocks(taus, lengths, block_size)
     return out
 
 
@@ -93,7 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=str(BUNDLED_CHECKPOINT))
     parser.add_argument("--thresholds", default="none,0.1,0.2,0.3,0.5")
-    parser.add_argument("--caps", default="", help="fixed caps (num_assistant_tokens) to compare, e.g. 4,8")
+    parser.add_argument("--caps", default="", help="caps (num_assistant_tokens) to compare, e.g. 4,8 or 2,3,auto")
     parser.add_argument("--heads-off", default="none", help="thresholds also run with jacobi_max_iters=0")
     parser.add_argument("--caps-heads-off", default="", help="caps also run with jacobi_max_iters=0, e.g. 3")
     parser.add_argument("--prompts", type=int, default=10)
@@ -116,9 +125,16 @@ def main() -> None:
     kinds = GENERATORS[args.kinds]
     prompts = chat_prompt_ids(tokenizer, held_out_prompts(args.prompts, kinds=kinds))
     held = held_out_indices(kinds)
-    caps = [int(c) for c in args.caps.split(",") if c.strip()]
-    caps_off = [int(c) for c in args.caps_heads_off.split(",") if c.strip()]
+    caps = [c.strip() if c.strip() == "auto" else int(c) for c in args.caps.split(",") if c.strip()]
+    caps_off = [c.strip() if c.strip() == "auto" else int(c) for c in args.caps_heads_off.split(",") if c.strip()]
     settings = settings_of(parse_thresholds(args.thresholds), caps, parse_thresholds(args.heads_off), caps_off)
+    auto_choice = None
+    if "auto" in caps + caps_off:  # timed once here; spec_generate(num_assistant_tokens="auto") reuses it
+        choice = xpress.choose_draft_cap(target, compiled=args.compile)
+        print(f"num_assistant_tokens='auto' on this machine:\n{choice.table()}")
+        auto_choice = {"cap": choice.cap, "draft_acceptance": xpress.config.draft_acceptance,
+                       "expected_tokens": choice.expected_tokens, "verify_seconds": choice.verify_seconds,
+                       "draft_seconds": choice.draft_seconds, "compiled": choice.compiled}  # fmt: skip
     entries = ["plain"] + [s["name"] for s in settings]
     by_name = {s["name"]: s for s in settings}
 
@@ -155,7 +171,7 @@ def main() -> None:
                     "time_compile": getattr(stats, "time_compile", None),  # 0 in every compiled record: compiled before
                 })  # fmt: skip
 
-    summary = summarize(records, [s["name"] for s in settings])
+    summary = summarize(records, [s["name"] for s in settings], xpress.config.block_size)
     thresholds = [s["name"] for s in settings if not s["k0"] and s["cap"] is None]
     best = max(thresholds, key=lambda name: summary[name]["tokens_per_s"]) if thresholds else None
     fastest = max((s["name"] for s in settings), key=lambda name: summary[name]["tokens_per_s"])
@@ -171,6 +187,7 @@ def main() -> None:
         "summary": summary,
         "fastest_threshold": best,  # among the confidence thresholds alone (no cap, head on)
         "fastest_setting": fastest,  # among every setting run
+        "auto_choice": auto_choice,  # what num_assistant_tokens="auto" chose and from what (None: not run)
         "records": records,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

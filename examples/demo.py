@@ -13,8 +13,9 @@ measured in this run.
     python examples/demo.py --no-compile          # skip the compiled decoder (and its minute of compiling)
     python examples/demo.py --num-assistant-tokens 0   # verify what the checkpoint config says (whole blocks)
 
-On a CPU the demo verifies the number of drafts per block chosen for its dtype on held-out prompts
-(`modeling_xpress.demo.CPU_DRAFT_CAPS`: 3 in fp32 and in bf16); `--num-assistant-tokens` overrides it.
+On a CPU the demo verifies the number of drafts per block that pays on this machine: the checkpoint's acceptance
+measured on held-out training prompts (`config.draft_acceptance`) against the verification's matrix products timed
+here (`xpress.choose_draft_cap(target)`, printed before decoding); `--num-assistant-tokens` overrides it.
 """
 
 import argparse
@@ -24,7 +25,7 @@ import torch
 from transformers import AutoModel
 
 from modeling_xpress.assets import DTYPES
-from modeling_xpress.demo import BUNDLED_CHECKPOINT, CPU_DRAFT_CAPS, DEMO_PROMPTS, compare_greedy, summary
+from modeling_xpress.demo import BUNDLED_CHECKPOINT, DEMO_PROMPTS, compare_greedy, summary
 
 
 def smollm2_pair(dtype: torch.dtype, checkpoint: str):
@@ -58,7 +59,7 @@ def main() -> None:
                         "and torch.compile; it compiles once, about a minute on a CPU, before anything is timed)")
     parser.add_argument("--num-assistant-tokens", type=int, default=None,
                         help="drafts verified per block by both xPress decoders; 0: the checkpoint config's "
-                        "(default on a CPU: CPU_DRAFT_CAPS for the dtype, chosen on held-out prompts)")
+                        "(default on a CPU: chosen on this machine, xpress.choose_draft_cap)")
     parser.add_argument("--constructed", action="store_true",
                         help="the offline example: a tiny target with a constructed (not trained) head")  # fmt: skip
     args = parser.parse_args()
@@ -70,8 +71,12 @@ def main() -> None:
     else:
         target, xpress, tokenizer, prompts = smollm2_pair(DTYPES[args.dtype], args.checkpoint)
     cap, source = args.num_assistant_tokens, "--num-assistant-tokens"
-    if cap is None and not args.constructed and target.device.type == "cpu":
-        cap, source = CPU_DRAFT_CAPS.get(args.dtype), f"chosen for {args.dtype} on a CPU on held-out prompts"
+    measured = getattr(xpress.config, "draft_acceptance", None) is not None  # else: the config's cap
+    if cap is None and not args.constructed and target.device.type == "cpu" and measured:
+        choice = xpress.choose_draft_cap(target, compiled=not args.no_compile)
+        print(f"drafts per block on this machine (the checkpoint's held-out acceptance against the verification's "
+              f"products timed here, {args.dtype}):\n{choice.table()}")  # fmt: skip
+        cap, source = choice.cap, "chosen on this machine"
     cap = cap or None  # 0: the config's
     if cap is None:
         cap_config = getattr(xpress.config, "num_assistant_tokens", None)

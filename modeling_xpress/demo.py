@@ -15,14 +15,6 @@ DEMO_PROMPTS = [
     "A train travels 180 km in 2 hours. What is its average speed? Explain briefly.",
     "Give me three tips for staying focused while studying.",
 ]
-# Drafts verified per block by `make demo` on a CPU, by dtype (None: the checkpoint config's own), chosen on held-out
-# training prompts with `examples/choose_draft_length.py --compile`, never on these prompts or the evaluation sets:
-# float32 on the default-kind held-out rows (benchmarks/results/draft-length-heldout-compiled-float32-v6.json: 3 drafts
-# 2.49× plain, 2 drafts 2.10×, 4 drafts 2.10×, whole blocks 1.47×), bfloat16 on the task-kind held-out rows
-# (draft-length-heldout-task-compiled-bfloat16-v6-margin.json: 3 drafts 1.56×, 7 drafts 1.55×, whole blocks 1.29×).
-# Once a few-row verification costs what it should (`compiled.WeightMajorLinear`), anchor + 3 drafts costs about one
-# plain step on a 2-core CPU, and wider verifications cost more than the extra drafts they get accepted.
-CPU_DRAFT_CAPS = {"float32": 3, "bfloat16": 3}
 
 
 @dataclass

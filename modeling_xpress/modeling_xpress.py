@@ -603,6 +603,15 @@ class XPressModel(XPressPreTrainedModel):
         (`compile=True`: static caches and compiled fixed-shape graphs, `compiled.py`)."""
         return spec_generate(self, target, input_ids, **kwargs)
 
+    def choose_draft_cap(self, target, **kwargs):
+        """The drafts per block with the most expected tokens per second on this machine, from `config.draft_acceptance`
+        and the timed products of the verifications (`draft_cap.choose_draft_cap`, a `DraftCapChoice`; its `.cap` is
+        what `spec_generate(..., num_assistant_tokens="auto")` uses; pass it to `generate(..., num_assistant_tokens=)`
+        as an int)."""
+        from .draft_cap import choose_draft_cap
+
+        return choose_draft_cap(self, target, **kwargs)
+
     # --- checkpoints ---------------------------------------------------------------------------------------------
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:

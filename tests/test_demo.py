@@ -37,8 +37,8 @@ def test_compare_greedy_without_the_compiled_decoder_reports_no_compiled_figures
 
 
 def test_compare_greedy_passes_the_draft_cap_to_both_xpress_decoders():
-    """`make demo`'s per-dtype cap (`CPU_DRAFT_CAPS`) reaches `generate(assistant_model=)` and the compiled decoder:
-    at most 2 drafts + the bonus token per step, still the target's own output."""
+    """`make demo`'s cap (chosen on the machine, `xpress.choose_draft_cap`) reaches `generate(assistant_model=)` and
+    the compiled decoder: at most 2 drafts + the bonus token per step, still the target's own output."""
     torch.manual_seed(0)
     target, xpress = constructed_permutation_pair()
     prompts = [torch.randint(0, target.config.vocab_size, (1, 5))]

@@ -64,7 +64,7 @@ def test_folder_layout(saved):
     assert config["auto_map"]["AutoModel"].endswith("modeling_xpress.XPressModel")
     assert config["auto_map"]["AutoConfig"].endswith("configuration_xpress.XPressConfig")
     for name in ("model.safetensors", "modeling_xpress.py", "configuration_xpress.py", "refinement.py",
-                 "generation.py", "compiled.py", "conversion.py", "hub_files.py", "custom_generate/generate.py",
+                 "generation.py", "compiled.py", "draft_cap.py", "conversion.py", "hub_files.py", "custom_generate/generate.py",
                  "README.md"):  # fmt: skip
         assert (folder / name).is_file(), name
     card = (folder / "README.md").read_text()

@@ -41,6 +41,17 @@ def is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def check_acceptance(acceptance, block_size: int, name: str = "draft_acceptance") -> list[float]:
+    """`acceptance` as a list of floats s_1..s_n (n <= block_size - 1, each in [0, 1]), or a ValueError naming it."""
+    values = list(acceptance) if isinstance(acceptance, (list, tuple)) else None
+    if not values or len(values) > block_size - 1 or not all(is_real(s) and 0 <= s <= 1 for s in values):
+        raise ValueError(
+            f"{name} must be a non-empty list of at most {block_size - 1} (block_size - 1) fractions in [0, 1], "
+            f"entry k - 1 the fraction of blocks whose first k drafts are accepted; got {acceptance!r}"
+        )
+    return [float(s) for s in values]
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """dFlash's rule for which target layers feed the drafter's context.
 
@@ -177,6 +188,11 @@ class XPressConfig(PreTrainedConfig):
     # At most this many drafts verified per block, in 1..block_size - 1 (transformers' `num_assistant_tokens`, same
     # name and meaning). None → the whole block (block_size - 1). A call's `num_assistant_tokens` overrides it.
     num_assistant_tokens: int | None = None
+    # The acceptance measured for this checkpoint: entry k - 1 is the fraction of blocks whose first k drafts the
+    # target accepted (greedy decoding of held-out training prompts with whole blocks; examples/choose_draft_length.py
+    # writes it, `draft_cap.acceptance_from_blocks`). `spec_generate(..., num_assistant_tokens="auto")` weighs it
+    # against this machine's cost of verifying more tokens (`draft_cap.choose_draft_cap`). None: not measured.
+    draft_acceptance: list[float] | None = None
 
     def __post_init__(self, **kwargs):
         if self.rope_parameters is None:
@@ -219,6 +235,8 @@ class XPressConfig(PreTrainedConfig):
                 f"num_assistant_tokens must be None (the whole block) or an integer in 1..{self.block_size - 1} "
                 f"(block_size - 1), got {cap!r}"
             )
+        if self.draft_acceptance is not None:
+            self.draft_acceptance = check_acceptance(self.draft_acceptance, self.block_size)
         if self.hidden_size != self.target_hidden_size:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must equal target_hidden_size ({self.target_hidden_size}): the "

@@ -710,7 +710,7 @@ def spec_generate(
     stop_token_ids=None,
     generator: torch.Generator | None = None,
     assistant_confidence_threshold: float | None = None,
-    num_assistant_tokens: int | None = None,
+    num_assistant_tokens: int | str | None = None,
     compile: bool = False,
     max_cache_len: int | None = None,
     linear_layout: str = "auto",
@@ -724,7 +724,9 @@ def spec_generate(
     `stop_token_ids` (default: the target's EOS; an int, a list or a tensor of ids) end generation after they are
     emitted. `assistant_confidence_threshold` and `num_assistant_tokens` (None: the xPress config's
     `draft_confidence_threshold` / `num_assistant_tokens`) set how many drafts of each block are verified
-    (`draft_length`). `compile=True` runs the same loop with static caches and fixed shapes under `torch.compile`
+    (`draft_length`); `num_assistant_tokens="auto"` chooses the cap on this machine, from the checkpoint's measured
+    acceptance (`config.draft_acceptance`) and the timed cost of verifying more tokens here (`draft_cap.py`; outputs
+    never depend on the cap). `compile=True` runs the same loop with static caches and fixed shapes under `torch.compile`
     (CUDA graphs on a GPU; see `compiled.py`): same results, the first call per (target, drafter, length bucket)
     compiles (`stats.time_compile`); greedy and temperature/top-k/top-p sampling only. `max_cache_len` (compile=True
     only) fixes the static caches' length instead of the bucket of this call, so calls with prompts of any length up
@@ -736,6 +738,15 @@ def spec_generate(
     one. Returns `.sequences` (prompt included) and `.stats`; the stats are also left at `xpress.generation_stats`.
     """
     check_assistant_call(target, xpress, input_ids)
+    if isinstance(num_assistant_tokens, str):
+        if num_assistant_tokens != "auto":
+            raise ValueError(
+                f"num_assistant_tokens must be None (the config's), a positive integer or 'auto' (chosen on this "
+                f"machine from config.draft_acceptance), got {num_assistant_tokens!r}"
+            )
+        from .draft_cap import choose_draft_cap
+
+        num_assistant_tokens = choose_draft_cap(xpress, target, compiled=compile is True, linear_layout=linear_layout).cap
     draft_rule = draft_length_rule(xpress.config, assistant_confidence_threshold, num_assistant_tokens)
     check_decoding_arguments(max_new_tokens, temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size)
     if attention_mask is not None and (attention_mask.shape != input_ids.shape or not bool(attention_mask.all())):
