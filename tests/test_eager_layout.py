@@ -1,0 +1,91 @@
+"""The eager loops verify in the CPU's faster layout (`generation.VerificationLayout`): `spec_generate(compile=False)`
+and `generate(assistant_model=xpress)` run the target's few-row verification weight-major where that pays, as the
+compiled graphs do. The tests pin: the greedy output is the target's either way; the layout really changes (torch.mm
+with a weight as left operand); in `generate` only the verification forwards are changed, and no hook outlives the
+call."""
+
+import pytest
+import torch
+
+import modeling_xpress.compiled as compiled
+from tests.builders import tiny_llama, tiny_xpress
+
+IDS = torch.tensor([[3, 7, 1, 12]])
+
+
+@pytest.fixture
+def weight_products(monkeypatch):
+    """The row counts of every torch.mm whose left operand is one of the target's weights (the weight-major form)."""
+    seen, mm = [], torch.mm
+    weights = {}
+
+    def counting_mm(a, b):
+        if id(a) in weights:
+            seen.append(b.shape[1])
+        return mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", counting_mm)
+    return seen, weights
+
+
+def pair():
+    target = tiny_llama()
+    return target, tiny_xpress(target, block_size=8)
+
+
+@pytest.mark.parametrize("layout", ["weight_major", "input_major"])
+def test_spec_generate_eager_verification_layout(layout, weight_products):
+    seen, weights = weight_products
+    target, xpress = pair()
+    weights.update({id(w): w for w in compiled.linear_weights(target)})
+    reference = target.generate(IDS, max_new_tokens=30, do_sample=False)
+    seen.clear()
+    out = xpress.spec_generate(target, IDS, max_new_tokens=30, stop_token_ids=[], linear_layout=layout)
+    assert torch.equal(out.sequences, reference)
+    if layout == "weight_major":  # every verification: its anchor + drafts as the product's columns
+        widths = {n + 1 for n in out.stats.draft_lengths}
+        assert seen and set(seen) <= widths | {1}
+    else:
+        assert seen == []
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_generate_verifies_in_the_layout_that_pays_and_leaves_no_hook(pays, weight_products, monkeypatch):
+    seen, weights = weight_products
+    target, xpress = pair()
+    weights.update({id(w): w for w in compiled.linear_weights(target)})
+    monkeypatch.setattr(compiled, "weight_major_pays", lambda weights, rows, repeats=5: pays)
+    reference = target.generate(IDS, max_new_tokens=30, do_sample=False)
+    assert seen == []  # plain generate: never
+    out = target.generate(IDS, max_new_tokens=30, do_sample=False, assistant_model=xpress)
+    assert torch.equal(out, reference)
+    widths = {n + 1 for n in xpress.generation_stats.draft_lengths}
+    assert (set(seen) == widths if pays else seen == [])  # the verifications, and nothing else (not the prefill)
+    assert not target._forward_pre_hooks and not target._forward_hooks  # nothing outlives the call
+    seen.clear()
+    target(input_ids=IDS)
+    assert seen == []
+
+
+def test_a_failed_verification_leaves_no_mode_behind(weight_products, monkeypatch):
+    """An exception inside the verification forward: the post-hook still leaves the mode and removes the hooks."""
+    seen, weights = weight_products
+    target, xpress = pair()
+    weights.update({id(w): w for w in compiled.linear_weights(target)})
+    monkeypatch.setattr(compiled, "weight_major_pays", lambda weights, rows, repeats=5: True)
+    calls = {"n": 0}
+    forward = target.model.forward
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # prefill, first verification, then fail
+            raise RuntimeError("boom")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(target.model, "forward", failing_forward)
+    with pytest.raises(RuntimeError, match="boom"):
+        target.generate(IDS, max_new_tokens=30, do_sample=False, assistant_model=xpress)
+    assert not target._forward_pre_hooks and not target._forward_hooks
+    seen.clear()
+    torch.nn.functional.linear(torch.randn(2, 64), target.lm_head.weight)
+    assert seen == []  # no WeightMajorLinear left active
