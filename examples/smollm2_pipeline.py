@@ -58,6 +58,12 @@ Recipes (each flag can still be set by hand after `--recipe`):
   native bf16, from a cache of just the rows they read: `--drafter-from checkpoints/training/smollm2-v8/drafter
   --stages markov xpress --head-train-rows 4000 --signal-cache cache/signals-smollm2-v8-heads4000` (10 min of cache,
   then ~4.5 min per head there).
+* `v9-mined` — the v8 drafter continued as v8 continued v7, with the next 1,400 mined prompts (1600..2999, before
+  the held-out 3000..3199; `make_training_data.py --kinds mined --n-prompts 3000 --first-prompt 1600 --out
+  data/smollm2_mined_responses_1600-3000`) added; task folders first, so the held-out rows are still those that
+  selected v6-v8. Prepared, not run: its data was still being regenerated at the end of the session that wrote it
+  (finished shards committed in `data/smollm2_mined_responses_1600-3000-shards`; the same command with `--shard-dir`
+  pointing there resumes it).
 * `v8-wide` — the context lever alone: the v7 drafter (`drafter-best`) continued on v7's own data and schedule, now
   reading target layers 1, 10, 18 and 27 (dFlash's rule for a 4-layer drafter of a 30-layer target) instead of 1 and
   27; `read_more_target_layers` starts the new layers' `fc` columns at zero, so step 0 is v7's drafter exactly. Its
@@ -191,6 +197,13 @@ RECIPES["v8-mined"] = {  # v7-task's schedule and selection; the prompts mined f
             "data/smollm2_responses",
     "continue_from": "checkpoints/training/smollm2-v7/drafter-best", "signal_cache": "cache/signals-smollm2-v8",
     "snapshots": "checkpoints/training/smollm2-v8",
+}  # fmt: skip
+RECIPES["v9-mined"] = {  # v8-mined's schedule and selection; mined prompts 1600..2999 added (prepared, not run)
+    **RECIPES["v8-mined"],
+    "data": "data/smollm2_task_responses,data/smollm2_task_responses_3200-4800,data/smollm2_mined_responses,"
+            "data/smollm2_mined_responses_1600-3000,data/smollm2_responses",
+    "continue_from": "checkpoints/training/smollm2-v8/drafter", "signal_cache": "cache/signals-smollm2-v9",
+    "snapshots": "checkpoints/training/smollm2-v9",
 }  # fmt: skip
 
 
