@@ -129,7 +129,8 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
 
     `acceptance`: s_1..s_n (default: the checkpoint's `config.draft_acceptance`); candidates are 1..min(n, `max_cap`,
     block_size - 1). `compiled`: time the products in the layout `spec_generate(compile=True, linear_layout=...)`'s
-    graphs will use ("auto": weight-major where that is clearly faster, on a CPU), else as the eager loop runs them.
+    graphs will use ("auto": weight-major where that is clearly faster, on a CPU), else as the eager loop runs them
+    (its verification in the same layout, `generation.VerificationLayout`; the drafter and readout input-major).
     Each (models, setting, thread count) is timed once per process: a few seconds on a 2-core CPU for SmolLM2 and 15
     candidates.
     """
@@ -153,8 +154,8 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     if kept is not None and kept[0] is xpress and kept[1] is target:
         return kept[2]
 
-    def weight_major(weights, rows: int) -> bool:  # as `CompiledDecoder._choose_layouts` decides it
-        if not compiled or linear_layout == "input_major":
+    def weight_major(weights, rows: int, eager_too: bool = False) -> bool:  # as the decoders decide it
+        if (not compiled and not eager_too) or linear_layout == "input_major":
             return False
         if linear_layout == "weight_major":
             return True
@@ -167,7 +168,7 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     drafter_weights = linear_weights(xpress)
     jobs = [(drafter_weights, block, weight_major(drafter_weights, block))]
     for cap in range(1, candidates + 1):  # the verification over cap + 1 tokens, the readout of cap drafts
-        jobs += [(target_weights, cap + 1, weight_major(target_weights, cap + 1)),
+        jobs += [(target_weights, cap + 1, weight_major(target_weights, cap + 1, eager_too=True)),
                  (readout_weight, cap, weight_major(readout_weight, cap))]  # fmt: skip
     seconds = products_seconds(jobs, repeats=repeats)
     draft_seconds = seconds[0]

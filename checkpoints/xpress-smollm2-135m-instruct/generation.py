@@ -445,6 +445,40 @@ def check_generation_config(generation_config) -> None:
         )
 
 
+class VerificationLayout:
+    """How the eager loops multiply the few rows of a verification: `compiled.WeightMajorLinear` where the target's
+    products over that many rows are clearly faster weight-major on this CPU (`linear_layout="auto"`, decided as the
+    compiled graphs decide it, `compiled.weight_major_pays`, once per width and process), always ("weight_major") or
+    never ("input_major"). On some CPU BLAS builds a 2-4-row fp32 product takes a per-row path: on a 2-core AMD EPYC
+    an eager 4-token SmolLM2 forward measured 154 ms input-major and 102 ms weight-major (one token: 74 ms)."""
+
+    def __init__(self, target, linear_layout: str = "auto"):
+        from .compiled import check_linear_layout, linear_weights
+
+        check_linear_layout(linear_layout)
+        self.linear_layout = linear_layout
+        auto_here = linear_layout == "auto" and target.device.type == "cpu"
+        self.weights = linear_weights(target) if auto_here else None
+        self.decided: dict[int, bool] = {}
+
+    def weight_major(self, width: int) -> bool:
+        if self.linear_layout != "auto":
+            return self.linear_layout == "weight_major"
+        if self.weights is None:  # "auto" off a CPU: as the compiled graphs, input-major
+            return False
+        if width not in self.decided:
+            from .compiled import weight_major_pays
+
+            self.decided[width] = weight_major_pays(self.weights, width)
+        return self.decided[width]
+
+    def __call__(self, width: int):
+        """The context to run a `width`-token verification forward in."""
+        from .compiled import WeightMajorLinear
+
+        return WeightMajorLinear(max_rows=width) if self.weight_major(width) else contextlib.nullcontext()
+
+
 class XPressCandidateGenerator(CandidateGenerator):
     """transformers `CandidateGenerator` that drafts with the xPress drafter and refiner.
 
@@ -476,6 +510,9 @@ class XPressCandidateGenerator(CandidateGenerator):
         self.timer = SectionTimer(xpress.device)
         self.stats = XPressGenerationStats()
         xpress.generation_stats = self.stats
+        self.target = target
+        self.layout = VerificationLayout(target)  # transformers verifies: its forward runs under `_arm_verification`
+        self._hooks: list = []
         self._start = self.timer.mark()
         self._last_draft_end = None
         self._drafted = False  # whether the step being verified carries a draft (not the prefill / a budget-0 step)
@@ -484,6 +521,7 @@ class XPressCandidateGenerator(CandidateGenerator):
     def get_candidates(
         self, input_ids: torch.LongTensor, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        self._disarm()
         now = self.timer.mark()
         if self._last_draft_end is not None:
             self.stats.record("verify", self._last_draft_end, now)
@@ -526,9 +564,39 @@ class XPressCandidateGenerator(CandidateGenerator):
         self._last_draft_end = self.timer.mark()
         candidates = result.tokens[:, :length].to(input_ids.device)
         self._drafted = True
+        # A dynamic cache is never auto-compiled by transformers: the hooks run in plain Python around the forward.
+        if type((model_kwargs or {}).get("cache")) is DynamicCache:
+            self._arm_verification(length + 1)
         return torch.cat([input_ids, candidates], dim=1), result.logits[:, :length]
 
+    def _arm_verification(self, width: int) -> None:
+        """Run the target's next forward, transformers' verification of these `width` tokens, in this CPU's layout
+        for that many rows (`VerificationLayout`): a forward pre-hook enters `WeightMajorLinear`, a forward hook
+        (called on an exception too) leaves it and removes both. Never armed where the input-major layout is the
+        faster one; disarmed again at the next draft and after the verification, so no other forward is changed."""
+        if not self.layout.weight_major(width):
+            return
+        from .compiled import WeightMajorLinear
+
+        mode = WeightMajorLinear(max_rows=width)
+
+        def enter(module, args):
+            mode.__enter__()
+
+        def leave(module, args, output):
+            mode.__exit__(None, None, None)
+            self._disarm()
+
+        self._hooks = [self.target.register_forward_pre_hook(enter),
+                       self.target.register_forward_hook(leave, always_call=True)]  # fmt: skip
+
+    def _disarm(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        self._disarm()
         self.stats.new_tokens += int(num_matches) + 1
         if self._drafted:  # τ counts verification steps of a draft only
             self.stats.acceptance_lengths.append(int(num_matches) + 1)
@@ -731,11 +799,11 @@ def spec_generate(
     compiles (`stats.time_compile`); greedy and temperature/top-k/top-p sampling only. `max_cache_len` (compile=True
     only) fixes the static caches' length instead of the bucket of this call, so calls with prompts of any length up
     to it share one compiled state, as `generate(cache_implementation="static", max_cache_len=...)` does for plain
-    decoding; it must hold the prompt, `max_new_tokens` and two blocks. `linear_layout` (compile=True only):
-    how the graphs compute `F.linear`; "auto" (default) times `x @ W.T` against `(W @ x.T).T` on the models' own
-    weights at each graph's row count once, on a CPU, and goes weight-major where that is at least 1.25× faster (on
-    some CPU BLAS builds a few-row product is several times faster weight-major); "input_major" / "weight_major" force
-    one. Returns `.sequences` (prompt included) and `.stats`; the stats are also left at `xpress.generation_stats`.
+    decoding; it must hold the prompt, `max_new_tokens` and two blocks. `linear_layout`: how `F.linear` is computed
+    by the compiled graphs and by the eager loop's verification; "auto" (default) times `x @ W.T` against
+    `(W @ x.T).T` on the models' own weights at each row count once, on a CPU, and goes weight-major where that is at
+    least 1.25× faster (on some CPU BLAS builds a few-row product is several times faster weight-major);
+    "input_major" / "weight_major" force one. (`generate(assistant_model=xpress)` verifies with "auto".) Returns `.sequences` (prompt included) and `.stats`; the stats are also left at `xpress.generation_stats`.
     """
     check_assistant_call(target, xpress, input_ids)
     if isinstance(num_assistant_tokens, str):
@@ -763,11 +831,6 @@ def spec_generate(
     from .compiled import check_linear_layout
 
     check_linear_layout(linear_layout)
-    if linear_layout != "auto" and not compile:
-        raise ValueError(
-            f"linear_layout={linear_layout!r} chooses how the compiled graphs compute F.linear; the eager loop "
-            "(compile=False) runs the models as they are. Pass compile=True, or drop linear_layout."
-        )
     if max_cache_len is not None and not compile:
         raise ValueError(
             "max_cache_len sizes the static caches of compile=True; the eager loop (compile=False) grows a dynamic "
@@ -789,6 +852,7 @@ def spec_generate(
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     stats = XPressGenerationStats()
     xpress.generation_stats = stats
+    layout = VerificationLayout(target, linear_layout)
     timer = SectionTimer(input_ids.device)
     start = timer.mark()
 
@@ -832,7 +896,8 @@ def spec_generate(
 
         t0 = timer.mark()
         verify_ids = torch.cat([sequence[:, -1:], draft.view(1, -1)], dim=1)  # [anchor, d_1..d_m]
-        out = target(input_ids=verify_ids, cache=target_cache, output_hidden_states=hidden_request)
+        with layout(verify_ids.shape[1]):
+            out = target(input_ids=verify_ids, cache=target_cache, output_hidden_states=hidden_request)
         p_logits = process_verification_logits(processors, sequence, draft, out.logits[0].float())  # (m + 1, V)
         if do_sample:
             matches, bonus = _accept_sampling(draft, q_logits, p_logits, generator)
