@@ -457,19 +457,14 @@ class VerificationLayout:
 
         check_linear_layout(linear_layout)
         self.linear_layout = linear_layout
-        auto_here = linear_layout == "auto" and target.device.type == "cpu"
-        self.weights = linear_weights(target) if auto_here else None
+        self.weights = linear_weights(target)
         self.decided: dict[int, bool] = {}
 
     def weight_major(self, width: int) -> bool:
-        if self.linear_layout != "auto":
-            return self.linear_layout == "weight_major"
-        if self.weights is None:  # "auto" off a CPU: as the compiled graphs, input-major
-            return False
         if width not in self.decided:
-            from .compiled import weight_major_pays
+            from .compiled import weight_major_layout
 
-            self.decided[width] = weight_major_pays(self.weights, width)
+            self.decided[width] = weight_major_layout(self.linear_layout, self.weights, width)
         return self.decided[width]
 
     def __call__(self, width: int):

@@ -171,6 +171,15 @@ def weight_major_pays(weights, rows: int, repeats: int = 5) -> bool:
     return weight_major < WEIGHT_MAJOR_MARGIN * input_major
 
 
+def weight_major_layout(linear_layout: str, weights, rows: int) -> bool:
+    """Whether `linear_layout` computes `F.linear` over `rows` rows of these weights weight-major: "weight_major"
+    always, "input_major" never, "auto" where `weight_major_pays` (never on a GPU). The one rule of the compiled
+    graphs, the eager loops' verification (`generation.VerificationLayout`) and `draft_cap`."""
+    if linear_layout != "auto":
+        return linear_layout == "weight_major"
+    return weights[0].device.type != "cuda" and weight_major_pays(weights, rows)
+
+
 def check_linear_layout(linear_layout) -> None:
     if linear_layout not in LINEAR_LAYOUTS:
         raise ValueError(
@@ -328,17 +337,14 @@ class CompiledDecoder:
         rows_of = {("verify", w): w for w in range(1, self.block + 1)}
         rows_of.update({("head", m): m for m in range(1, self.block)})
         rows_of[("drafter", self.block)] = self.block
-        if linear_layout == "input_major" or (linear_layout == "auto" and self.cuda):
-            return frozenset()
-        if linear_layout == "weight_major":
-            return frozenset(rows_of)
         rows = self.head_rows()
         weights = {
             "verify": linear_weights(self.target),
             "drafter": linear_weights(self.xpress),
             "head": [self.lm_head.weight if rows is None else rows[0]],
         }
-        return frozenset(graph for graph, n in rows_of.items() if weight_major_pays(weights[graph[0]], n))
+        return frozenset(graph for graph, n in rows_of.items()
+                         if weight_major_layout(linear_layout, weights[graph[0]], n))  # fmt: skip
 
     def _linear_mode(self, graph: str, rows: int):
         """The `F.linear` layout of one graph: entered inside it, so the choice is traced into the graph."""

@@ -41,13 +41,13 @@ def is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def check_acceptance(acceptance, block_size: int, name: str = "draft_acceptance") -> list[float]:
+def check_acceptance(acceptance, block_size: int) -> list[float]:
     """`acceptance` as a list of floats s_1..s_n (n <= block_size - 1, each in [0, 1]), or a ValueError naming it."""
     values = list(acceptance) if isinstance(acceptance, (list, tuple)) else None
     if not values or len(values) > block_size - 1 or not all(is_real(s) and 0 <= s <= 1 for s in values):
         raise ValueError(
-            f"{name} must be a non-empty list of at most {block_size - 1} (block_size - 1) fractions in [0, 1], "
-            f"entry k - 1 the fraction of blocks whose first k drafts are accepted; got {acceptance!r}"
+            f"draft_acceptance must be a non-empty list of at most {block_size - 1} (block_size - 1) fractions in "
+            f"[0, 1], entry k - 1 the fraction of blocks whose first k drafts are accepted; got {acceptance!r}"
         )
     return [float(s) for s in values]
 

@@ -28,9 +28,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .compiled import check_linear_layout, linear_weights, weight_major_pays
+from .compiled import linear_weights, weight_major_layout
 from .configuration_xpress import check_acceptance
-from .generation import WallClock
+from .generation import VerificationLayout, WallClock
 
 
 @dataclass
@@ -134,7 +134,6 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     Each (models, setting, thread count) is timed once per process: a few seconds on a 2-core CPU for SmolLM2 and 15
     candidates.
     """
-    check_linear_layout(linear_layout)
     block = xpress.config.block_size
     if acceptance is None:
         acceptance = getattr(xpress.config, "draft_acceptance", None)
@@ -154,22 +153,19 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     if kept is not None and kept[0] is xpress and kept[1] is target:
         return kept[2]
 
-    def weight_major(weights, rows: int, eager_too: bool = False) -> bool:  # as the decoders decide it
-        if (not compiled and not eager_too) or linear_layout == "input_major":
-            return False
-        if linear_layout == "weight_major":
-            return True
-        return target.device.type == "cpu" and weight_major_pays(weights, rows)
+    verification = VerificationLayout(target, linear_layout)  # the eager loop verifies in the graphs' layout too
 
-    target_weights = linear_weights(target)
+    def graph_layout(weights, rows: int) -> bool:  # the drafter and readout: weight-major in compiled graphs only
+        return compiled and weight_major_layout(linear_layout, weights, rows)
+
     lm_head = target.get_output_embeddings()
     readout = xpress.draft_readout(lm_head)
     readout_weight = [lm_head.weight if readout is None else readout[0]]
     drafter_weights = linear_weights(xpress)
-    jobs = [(drafter_weights, block, weight_major(drafter_weights, block))]
+    jobs = [(drafter_weights, block, graph_layout(drafter_weights, block))]
     for cap in range(1, candidates + 1):  # the verification over cap + 1 tokens, the readout of cap drafts
-        jobs += [(target_weights, cap + 1, weight_major(target_weights, cap + 1, eager_too=True)),
-                 (readout_weight, cap, weight_major(readout_weight, cap))]  # fmt: skip
+        jobs += [(verification.weights, cap + 1, verification.weight_major(cap + 1)),
+                 (readout_weight, cap, graph_layout(readout_weight, cap))]  # fmt: skip
     seconds = products_seconds(jobs, repeats=repeats)
     draft_seconds = seconds[0]
     verify_seconds = [seconds[2 * c - 1] + seconds[2 * c] for c in range(1, candidates + 1)]
