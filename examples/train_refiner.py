@@ -328,6 +328,8 @@ def main() -> None:
     # explicitly: left to interpreter exit, gloo's threads can still be running and a rank aborts with "terminate
     # called without an active exception" after the work is done.
     trainer.accelerator.wait_for_everyone()
+    if training_args.world_size > 1:
+        print(f"xPress training: every rank finished; rank {training_args.process_index} exiting", flush=True)
     trainer.accelerator.end_training()
 
 
