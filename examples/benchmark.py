@@ -69,10 +69,20 @@ def parse_args() -> argparse.Namespace:
                         "is always measured: tau, the K sweep and the draft timers come from it")
     parser.add_argument("--no-compiled-plain", action="store_true",
                         help="skip the second baseline: plain generate with a static cache and torch.compile")
-    parser.add_argument("--num-assistant-tokens", type=int, default=None,
-                        help="drafts verified per block by every method (default: each checkpoint config's own); "
-                        "choose it on held-out prompts (examples/choose_draft_length.py), never on these sets")
+    parser.add_argument("--num-assistant-tokens", type=draft_cap_arg, default=None,
+                        help="drafts verified per block by every method (default: each checkpoint config's own), or "
+                        "'auto': each method's cap chosen on this machine from its config's draft_acceptance (measured "
+                        "on held-out prompts by examples/choose_draft_length.py, never on these sets)")
     return parser.parse_args()
+
+
+def draft_cap_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
 
 
 def main() -> None:

@@ -78,7 +78,9 @@ class BenchmarkSettings:
     latency_repeats: int = 30  # timed repeats of each block and setting (the median is reported)
     entries: tuple[str, ...] = DEFAULT_ENTRIES  # speculative entry points measured per method (ENTRIES: all)
     compiled_plain: bool = True  # also measure plain decoding with a static cache and torch.compile
-    num_assistant_tokens: int | None = None  # drafts verified per block by every method; None: each config's own
+    # drafts verified per block by every method; None: each config's own; "auto": each method's own choice on this
+    # machine (`XPressModel.choose_draft_cap`, from its config's draft_acceptance), made once before the run
+    num_assistant_tokens: int | str | None = None
 
     def __post_init__(self) -> None:
         self.temperatures = tuple(float(t) for t in self.temperatures)
@@ -101,8 +103,11 @@ class BenchmarkSettings:
         if any(t < 0 for t in self.temperatures):
             raise ValueError(f"temperatures must be >= 0, got {list(self.temperatures)}")
         cap = self.num_assistant_tokens
-        if cap is not None and (not is_integer(cap) or cap < 1):
-            raise ValueError(f"num_assistant_tokens must be a positive int or None (each config's own), got {cap!r}")
+        if cap is not None and cap != "auto" and (not is_integer(cap) or cap < 1):
+            raise ValueError(
+                f"num_assistant_tokens must be a positive int, 'auto' (each method's choice on this machine) or None "
+                f"(each config's own), got {cap!r}"
+            )
         if any(k < 1 for k in self.k_values):
             raise ValueError(f"k_values must be >= 1 (Jacobi iterations), got {list(self.k_values)}")
         if len(set(self.k_values)) != len(self.k_values):
@@ -427,13 +432,38 @@ def run_benchmark(
     """Measure everything (see the module docstring) and return `{"settings", "environment", "methods", "datasets",
     "records", "latency", "summary", "wall_time_s", ...}`; `metadata` is stored as given (e.g. checkpoint paths).
     `settings.num_assistant_tokens` caps every method's drafts per block for the run (each config's own value is
-    restored afterwards)."""
+    restored afterwards); with "auto" each method's cap is chosen on this machine first, in the layout of the compiled
+    entry when it is measured (`XPressModel.choose_draft_cap`), and the choices are stored as `results["draft_caps"]`.
+    """
     settings = settings or BenchmarkSettings()
     with contextlib.ExitStack() as caps:
-        if settings.num_assistant_tokens is not None:
-            for model in methods.values():
-                caps.enter_context(config_setting(model, num_assistant_tokens=settings.num_assistant_tokens))
-        return _run_benchmark(target, methods, prompt_sets, settings, metadata, progress)
+        choices = {}
+        if settings.num_assistant_tokens == "auto":
+            choices = choose_draft_caps(target, methods, compiled=COMPILED_SPEC in settings.entries)
+        for name, model in methods.items():
+            cap = choices[name].cap if choices else settings.num_assistant_tokens
+            if cap is not None:
+                caps.enter_context(config_setting(model, num_assistant_tokens=cap))
+        results = _run_benchmark(target, methods, prompt_sets, settings, metadata, progress)
+    if choices:
+        results["draft_caps"] = {
+            name: {**asdict(choice), "tokens_per_second": choice.tokens_per_second} for name, choice in choices.items()
+        }
+    return results
+
+
+def choose_draft_caps(target, methods: Mapping[str, torch.nn.Module], *, compiled: bool) -> dict:
+    """name → `DraftCapChoice` for `num_assistant_tokens="auto"`; every method needs its own measured acceptance."""
+    missing = [name for name, model in methods.items() if getattr(model.config, "draft_acceptance", None) is None]
+    if missing:
+        raise ValueError(
+            f"num_assistant_tokens='auto' chooses each method's drafts per block from its config's draft_acceptance, "
+            f"which {missing} lack: measure it on held-out prompts (examples/choose_draft_length.py --thresholds none "
+            "reports it; examples/bundle_checkpoint.py --acceptance stores it), or give an integer cap for every method"
+        )
+    for model in methods.values():
+        model.config.check_target(target.config)
+    return {name: model.choose_draft_cap(target, compiled=compiled) for name, model in methods.items()}
 
 
 def _run_benchmark(target, methods, prompt_sets, settings: BenchmarkSettings, metadata, progress: bool) -> dict:

@@ -224,6 +224,7 @@ def markdown_report(results: Mapping, plots: Mapping[str, str] | None = None) ->
         f"`{m}` ({v['refiner']}, block {v['block_size']}, K≤{v['jacobi_max_iters']}"
         + (", early exit" if v["jacobi_early_exit"] else "")
         + (f", at most {v['num_assistant_tokens']} drafts verified per block" if v.get("num_assistant_tokens") else "")
+        + (" (chosen on this machine)" if s.get("num_assistant_tokens") == "auto" else "")
         + ")"
         for m, v in results["methods"].items()
     )

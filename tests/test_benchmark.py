@@ -2,6 +2,7 @@
 against the adaptive setting, the greedy-identity count, and complete JSON / Markdown / PNG outputs; the reports are
 rendered without torch."""
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -122,6 +123,45 @@ def test_draft_cap_applies_to_every_method_for_the_run_only():
     assert {m["num_assistant_tokens"] for m in results["methods"].values()} == {2}
     assert results["settings"]["num_assistant_tokens"] == 2
     assert all(model.config.num_assistant_tokens is None for model in methods.values())
+
+
+def test_auto_draft_cap_is_each_methods_own_choice(monkeypatch):
+    """num_assistant_tokens="auto": each method verifies the cap its own draft_acceptance picks on this machine (the
+    products' timing made equal here, so E(c) alone decides: the longest measured cap), the choices are stored, and
+    each config's own cap is back afterwards."""
+    import modeling_xpress.draft_cap as draft_cap
+
+    monkeypatch.setattr(draft_cap, "products_seconds", lambda jobs, repeats=5: [1e-3] * len(jobs))
+    monkeypatch.setattr(draft_cap, "_CHOICES", {})
+    target, methods = perfect_methods()
+    acceptance = {"dflash": [0.5], "markov": [0.9, 0.8], "xpress": [1.0, 1.0, 1.0]}
+    for name, model in methods.items():
+        model.config.draft_acceptance = acceptance[name]
+    settings = BenchmarkSettings(max_new_tokens=MAX_NEW, temperatures=(0.0,), k_values=(), adaptive=False,
+                                 latency_blocks=1, latency_repeats=1, compiled_plain=False,
+                                 num_assistant_tokens="auto")  # fmt: skip
+    results = run_benchmark(target, methods, {"a": [[5, 9], [1, 2, 3]]}, settings, progress=False)
+    chosen = {name: choice["cap"] for name, choice in results["draft_caps"].items()}
+    assert chosen == {"dflash": 1, "markov": 2, "xpress": 3}
+    assert {name: m["num_assistant_tokens"] for name, m in results["methods"].items()} == chosen
+    spec = [r for r in results["records"] if r["stats"] is not None and r["entry"] == "spec_generate"]
+    for name, cap in chosen.items():
+        lengths = [n for r in spec if r["method"] == name for n in r["stats"]["draft_lengths"]]
+        assert lengths and max(lengths) == cap
+    xpress_accepted = [n for r in spec if r["method"] == "xpress" for n in r["stats"]["acceptance_lengths"]]
+    assert max(xpress_accepted) == 4  # the perfect head: 3 drafts + the bonus per verification
+    assert results["settings"]["num_assistant_tokens"] == "auto"
+    assert "(chosen on this machine)" in reports.markdown_report(results)
+    assert all(model.config.num_assistant_tokens is None for model in methods.values())
+
+
+def test_auto_draft_cap_needs_every_methods_acceptance():
+    target, methods = perfect_methods()
+    methods["xpress"].config.draft_acceptance = [0.5, 0.2]
+    settings = BenchmarkSettings(max_new_tokens=MAX_NEW, temperatures=(0.0,), k_values=(), adaptive=False,
+                                 compiled_plain=False, num_assistant_tokens="auto")  # fmt: skip
+    with pytest.raises(ValueError, match=r"draft_acceptance, which \['dflash', 'markov'\] lack"):
+        run_benchmark(target, methods, {"a": [[5, 9]]}, settings, progress=False)
 
 
 def test_greedy_identity_counts_every_prompt(perfect_run):
@@ -316,7 +356,8 @@ def test_load_methods_round_trip(tmp_path, cli):
         (dict(k_values=(2, 2)), "duplicates"),
         (dict(limit=0), "limit must be >= 1"),
         (dict(latency_repeats=0), "latency_repeats must be >= 1"),
-        (dict(num_assistant_tokens=0), "num_assistant_tokens must be a positive int or None"),
+        (dict(num_assistant_tokens=0), "num_assistant_tokens must be a positive int, 'auto'"),
+        (dict(num_assistant_tokens="max"), "num_assistant_tokens must be a positive int, 'auto'"),
     ],
 )
 def test_settings_name_bad_values(kwargs, message):
@@ -331,6 +372,9 @@ def test_input_errors_name_the_problem(cli):
         cli.parse_dtype("float16")
     with pytest.raises(ValueError, match="no chat_template"):
         bench.chat_prompt_ids(tiny_tokenizer(8), ["t1"])
+    assert cli.draft_cap_arg("auto") == "auto" and cli.draft_cap_arg("3") == 3
+    with pytest.raises(argparse.ArgumentTypeError, match="a positive integer or 'auto', got 'max'"):
+        cli.draft_cap_arg("max")
     with pytest.raises(ValueError, match="2 prompts but 1 ids"):
         PromptSet([[1], [2]], ["x"])
     with pytest.raises(ValueError, match="run_name must be a plain file stem"):
