@@ -89,3 +89,25 @@ def test_a_failed_verification_leaves_no_mode_behind(weight_products, monkeypatc
     seen.clear()
     torch.nn.functional.linear(torch.randn(2, 64), target.lm_head.weight)
     assert seen == []  # no WeightMajorLinear left active
+
+
+def test_a_forward_that_is_not_the_verification_only_disarms(weight_products, monkeypatch):
+    """Hooks armed for a verification of n tokens, then another forward comes first (transformers raised between the
+    draft and its verification, and the caller runs the target itself): that forward runs as it would without them,
+    and they are gone."""
+    seen, weights = weight_products
+    target, xpress = pair()
+    weights.update({id(w): w for w in compiled.linear_weights(target)})
+    monkeypatch.setattr(compiled, "weight_major_pays", lambda weights, rows, repeats=5: True)
+    from modeling_xpress.generation import VerificationLayout, XPressCandidateGenerator
+
+    generator = XPressCandidateGenerator.__new__(XPressCandidateGenerator)  # only the hook bookkeeping is exercised
+    generator.target, generator.layout, generator._hooks = target, VerificationLayout(target), []
+    generator._arm_verification(4)
+    assert target._forward_pre_hooks and target._forward_hooks
+    reference = target(input_ids=IDS[:, :3]).logits  # 3 tokens, not the armed 4 (the mode would take them too)
+    assert seen == [] and not target._forward_pre_hooks and not target._forward_hooks
+    generator._arm_verification(3)
+    armed = target(input_ids=IDS[:, :3]).logits  # a 3-token verification: weight-major, the same logits up to rounding
+    assert seen and set(seen) == {3} and not target._forward_pre_hooks and not target._forward_hooks
+    torch.testing.assert_close(armed, reference)
