@@ -568,21 +568,29 @@ class XPressCandidateGenerator(CandidateGenerator):
         """Run the target's next forward, transformers' verification of these `width` tokens, in this CPU's layout
         for that many rows (`VerificationLayout`): a forward pre-hook enters `WeightMajorLinear`, a forward hook
         (called on an exception too) leaves it and removes both. Never armed where the input-major layout is the
-        faster one; disarmed again at the next draft and after the verification, so no other forward is changed."""
+        faster one; disarmed again at the next draft and after the verification, so no other forward is changed. A
+        forward that is not a verification of `width` tokens (say, the caller's own after transformers raised between
+        the draft and its verification) only disarms them."""
         if not self.layout.weight_major(width):
             return
         from .compiled import WeightMajorLinear
 
-        mode = WeightMajorLinear(max_rows=width)
+        mode, entered = WeightMajorLinear(max_rows=width), []
 
-        def enter(module, args):
+        def enter(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if not isinstance(ids, torch.Tensor) or ids.shape[-1] != width:
+                self._disarm()
+                return
             mode.__enter__()
+            entered.append(True)
 
         def leave(module, args, output):
-            mode.__exit__(None, None, None)
+            if entered:
+                mode.__exit__(None, None, None)
             self._disarm()
 
-        self._hooks = [self.target.register_forward_pre_hook(enter),
+        self._hooks = [self.target.register_forward_pre_hook(enter, with_kwargs=True),
                        self.target.register_forward_hook(leave, always_call=True)]  # fmt: skip
 
     def _disarm(self) -> None:
