@@ -436,6 +436,7 @@ def run_benchmark(
     entry when it is measured (`XPressModel.choose_draft_cap`), and the choices are stored as `results["draft_caps"]`.
     """
     settings = settings or BenchmarkSettings()
+    check_methods(target, methods)
     with contextlib.ExitStack() as caps:
         choices = {}
         if settings.num_assistant_tokens == "auto":
@@ -461,20 +462,22 @@ def choose_draft_caps(target, methods: Mapping[str, torch.nn.Module], *, compile
             f"which {missing} lack: measure it on held-out prompts (examples/choose_draft_length.py --thresholds none "
             "reports it; examples/bundle_checkpoint.py --acceptance stores it), or give an integer cap for every method"
         )
-    for model in methods.values():
-        model.config.check_target(target.config)
     return {name: model.choose_draft_cap(target, compiled=compiled) for name, model in methods.items()}
 
 
-def _run_benchmark(target, methods, prompt_sets, settings: BenchmarkSettings, metadata, progress: bool) -> dict:
+def check_methods(target, methods: Mapping[str, torch.nn.Module]) -> None:
+    """At least one method, each made for this target, none named like the plain baseline."""
     if not methods:
         raise ValueError("no methods given: pass at least one xPress checkpoint")
-    if not prompt_sets:
-        raise ValueError("no prompt sets given")
     for name, model in methods.items():
         model.config.check_target(target.config)
         if name == "plain":
             raise ValueError("'plain' names the target-alone baseline; give the method another name")
+
+
+def _run_benchmark(target, methods, prompt_sets, settings: BenchmarkSettings, metadata, progress: bool) -> dict:
+    if not prompt_sets:
+        raise ValueError("no prompt sets given")
     sets = {name: (s if isinstance(s, PromptSet) else PromptSet(list(s))).head(settings.limit)
             for name, s in prompt_sets.items()}  # fmt: skip
     empty = [name for name, s in sets.items() if not s.input_ids]

@@ -570,12 +570,13 @@ class XPressCandidateGenerator(CandidateGenerator):
         (called on an exception too) leaves it and removes both. Never armed where the input-major layout is the
         faster one; disarmed again at the next draft and after the verification, so no other forward is changed. A
         forward that is not a verification of `width` tokens (say, the caller's own after transformers raised between
-        the draft and its verification) only disarms them."""
+        the draft and its verification) only disarms them: the post-hook is gone before it could run, so it runs only
+        after an entered mode."""
         if not self.layout.weight_major(width):
             return
         from .compiled import WeightMajorLinear
 
-        mode, entered = WeightMajorLinear(max_rows=width), []
+        mode = WeightMajorLinear(max_rows=width)
 
         def enter(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
@@ -583,11 +584,9 @@ class XPressCandidateGenerator(CandidateGenerator):
                 self._disarm()
                 return
             mode.__enter__()
-            entered.append(True)
 
         def leave(module, args, output):
-            if entered:
-                mode.__exit__(None, None, None)
+            mode.__exit__(None, None, None)
             self._disarm()
 
         self._hooks = [self.target.register_forward_pre_hook(enter, with_kwargs=True),
