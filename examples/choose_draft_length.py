@@ -16,6 +16,8 @@ from the held-out rows of the prompts mined from the standard library (`MINED_HE
     python examples/choose_draft_length.py --thresholds none,0.2,0.4 --caps 4,8 --prompts 20
     python examples/choose_draft_length.py --compile --dtype float32 --threads 2 --caps 1,3,7
     python examples/choose_draft_length.py --compile --dtype float32 --threads 2 --caps 1,2,3,4,auto
+    python examples/choose_draft_length.py --compile --dtype float32 --threads 2 --thresholds "" --caps 2,3,4 \
+        --linear-layouts input_major,packed        # an A/B of the products' layout, same run
 
 A cap of `auto` is `num_assistant_tokens="auto"`: the cap chosen on this machine from the checkpoint's
 `config.draft_acceptance` (`draft_cap.choose_draft_cap`, printed). Every setting that verifies whole blocks with the
@@ -55,6 +57,14 @@ def settings_of(thresholds: list[float | None], caps: list[int], heads_off: list
     return out
 
 
+def with_layouts(settings: list[dict], layouts: list[str]) -> list[dict]:
+    """Each setting once per `linear_layout` (named "<setting>@<layout>" when there are several): an A/B of the
+    products' layout in one run."""
+    if len(layouts) == 1:
+        return [{**s, "linear_layout": layouts[0]} for s in settings]
+    return [{**s, "name": f"{s['name']}@{layout}", "linear_layout": layout} for s in settings for layout in layouts]
+
+
 def run_setting(target, xpress, ids, max_new_tokens: int, setting: dict, compile: bool = False,
                 max_cache_len: int | None = None):  # fmt: skip
     saved = xpress.config.jacobi_max_iters
@@ -64,8 +74,8 @@ def run_setting(target, xpress, ids, max_new_tokens: int, setting: dict, compile
         start = clock.now()
         out = spec_generate(xpress, target, ids, max_new_tokens=max_new_tokens, temperature=0.0,
                             assistant_confidence_threshold=setting["threshold"] or 0.0,
-                            num_assistant_tokens=setting["cap"], compile=compile,
-                            max_cache_len=max_cache_len)  # fmt: skip
+                            num_assistant_tokens=setting["cap"], compile=compile, max_cache_len=max_cache_len,
+                            linear_layout=setting.get("linear_layout", "auto"))  # fmt: skip
         return out.sequences, clock.now() - start, out.stats
     finally:
         xpress.config.jacobi_max_iters = saved
@@ -105,6 +115,8 @@ def main() -> None:
     parser.add_argument("--caps", default="", help="caps (num_assistant_tokens) to compare, e.g. 4,8 or 2,3,auto")
     parser.add_argument("--heads-off", default="none", help="thresholds also run with jacobi_max_iters=0")
     parser.add_argument("--caps-heads-off", default="", help="caps also run with jacobi_max_iters=0, e.g. 3")
+    parser.add_argument("--linear-layouts", default="auto",
+                        help="spec_generate's linear_layout, or several to compare, e.g. input_major,packed,auto")
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--kinds", choices=sorted(GENERATORS), default="default",
                         help="held-out prompts of the default training set, the task-shaped one or the mined one")
@@ -128,6 +140,7 @@ def main() -> None:
     caps = [c.strip() if c.strip() == "auto" else int(c) for c in args.caps.split(",") if c.strip()]
     caps_off = [c.strip() if c.strip() == "auto" else int(c) for c in args.caps_heads_off.split(",") if c.strip()]
     settings = settings_of(parse_thresholds(args.thresholds), caps, parse_thresholds(args.heads_off), caps_off)
+    settings = with_layouts(settings, [layout.strip() for layout in args.linear_layouts.split(",") if layout.strip()])
     auto_choice = None
     if "auto" in caps + caps_off:  # timed once here; spec_generate(num_assistant_tokens="auto") reuses it
         choice = xpress.choose_draft_cap(target, compiled=args.compile)

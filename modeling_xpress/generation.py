@@ -804,8 +804,9 @@ def spec_generate(
     decoding; it must hold the prompt, `max_new_tokens` and two blocks. `linear_layout`: how `F.linear` is computed
     by the compiled graphs and by the eager loop's verification; "auto" (default) times `x @ W.T` against
     `(W @ x.T).T` on the models' own weights at each row count once, on a CPU, and goes weight-major where that is at
-    least 1.25× faster (on some CPU BLAS builds a few-row product is several times faster weight-major);
-    "input_major" / "weight_major" force one. (`generate(assistant_model=xpress)` verifies with "auto".) Returns `.sequences` (prompt included) and `.stats`; the stats are also left at `xpress.generation_stats`.
+    least 1.25× faster (on some CPU BLAS builds a few-row product is several times faster weight-major), and in the
+    compiled graphs also times MKL-packed float32 weights (`compiled.PackedLinear`) and uses them where they are the
+    fastest; "input_major" / "weight_major" / "packed" (compile=True only) force one. (`generate(assistant_model=xpress)` verifies with "auto".) Returns `.sequences` (prompt included) and `.stats`; the stats are also left at `xpress.generation_stats`.
     """
     check_assistant_call(target, xpress, input_ids)
     if isinstance(num_assistant_tokens, str):
@@ -833,6 +834,11 @@ def spec_generate(
     from .compiled import check_linear_layout
 
     check_linear_layout(linear_layout)
+    if linear_layout == "packed" and not compile:
+        raise ValueError(
+            "linear_layout='packed' (weights prepacked for MKL) is a layout of the compiled graphs: pass compile=True, "
+            "or use 'auto', 'input_major' or 'weight_major' with the eager loop."
+        )
     if max_cache_len is not None and not compile:
         raise ValueError(
             "max_cache_len sizes the static caches of compile=True; the eager loop (compile=False) grows a dynamic "

@@ -481,10 +481,29 @@ def test_linear_layout_choice(drafters, monkeypatch):
         return len(weights) > 1 and rows in (3, 5)
 
     monkeypatch.setattr(compiled, "weight_major_pays", stub)
+    monkeypatch.setattr(compiled, "packed_pays", lambda weights, rows, repeats=5: False)
     auto = CompiledDecoder(xpress, target, 64, 0.0, None, None, "auto").weight_major
     assert auto == {("verify", 3), ("verify", 5)}
     n_target = len(compiled.linear_weights(target))
     assert (n_target, 3) in asked and (1, block - 1) in asked  # the target's weights; the readout's one matrix
+
+
+def test_auto_prefers_packed_where_it_pays(drafters, monkeypatch):
+    """auto: packed where its timing says so (here the verification at 4 tokens), weight-major where that pays and
+    packing does not, input-major elsewhere; the packed graphs' weights are packed when the decoder is built."""
+    target, xpress = drafters("llama", "none")
+    monkeypatch.setattr(compiled, "weight_major_pays", lambda weights, rows, repeats=5: len(weights) > 1 and rows < 6)
+    monkeypatch.setattr(compiled, "packed_pays", lambda weights, rows, repeats=5: len(weights) > 1 and rows == 4)
+    compiled.release_packed_weights()
+    decoder = CompiledDecoder(xpress, target, 64, 0.0, None, None, "auto")
+    assert decoder.packed == {("verify", 4)}
+    assert decoder.weight_major == {("verify", w) for w in (1, 2, 3, 5)}
+    assert not compiled._PACKS  # packed when a graph of that width is first compiled, not before
+    decoder.pack_for("verify", 3)  # not a packed graph: nothing
+    assert not compiled._PACKS
+    decoder.pack_for("verify", 4)
+    assert {(w.data_ptr(), 4) for w in compiled.linear_weights(target)} == set(compiled._PACKS)
+    compiled.release_packed_weights()
 
 
 def test_weight_major_pays_times_real_weights():
@@ -513,6 +532,94 @@ def test_weight_major_sampling_equals_eager_draw_for_draw(sampling_pair):
     target, xpress = sampling_pair
     samples = draw(xpress, target, compile=True, seed=9, draws=25, temperature=1.0, linear_layout="weight_major")
     assert samples == draw(xpress, target, compile=False, seed=9, draws=25, temperature=1.0)
+
+
+needs_packing = pytest.mark.skipif(not compiled.mkl_packing_available(), reason="no MKL packed GEMM in this build")
+
+
+@needs_packing
+def test_packed_linear_computes_f_linear():
+    """The mode computes F.linear with the weight's MKL pack for 2-D and 3-D inputs (bias positional or keyword); an
+    unpacked weight, a larger input and other functions are left to F.linear bit for bit; a weight changed in place
+    is repacked at its next use, so the product follows it."""
+    torch.manual_seed(0)
+    weight, bias, other = torch.randn(50, 12), torch.randn(50), torch.randn(50, 12)
+    compiled.release_packed_weights()
+    for rows in (1, 3, 4, 5):
+        compiled.pack_weights([weight], rows)
+    mode = compiled.PackedLinear(max_rows=6)
+    for x in (torch.randn(3, 12), torch.randn(1, 5, 12), torch.randn(4, 1, 12), torch.randn(1, 12)):
+        for args, kwargs in (((x, weight), {}), ((x, weight, bias), {}), ((x, weight), {"bias": bias})):
+            expected = torch.nn.functional.linear(*args, **kwargs)
+            with mode:
+                out = torch.nn.functional.linear(*args, **kwargs)
+            assert out.shape == expected.shape and torch.allclose(out, expected, atol=1e-5)
+    x = torch.randn(4, 12)
+    with mode:
+        packed = torch.nn.functional.linear(x, weight)
+        unpacked = torch.nn.functional.linear(x, other)
+        no_pack_for_rows = torch.nn.functional.linear(x[:2], weight)
+        larger = torch.nn.functional.linear(torch.randn(7, 12), weight)
+    assert torch.allclose(packed, torch.nn.functional.linear(x, weight), atol=1e-5)
+    assert torch.equal(unpacked, torch.nn.functional.linear(x, other))
+    assert torch.equal(no_pack_for_rows, torch.nn.functional.linear(x[:2], weight))
+    assert larger.shape == (7, 50)
+    # Not a no-op: the product reads the kept pack for its rows (here, deliberately, another weight's).
+    compiled._PACKS[weight.data_ptr(), 4] = (weight, weight._version, compiled._pack(other, 4))
+    with mode:
+        assert torch.allclose(torch.nn.functional.linear(x, weight), torch.nn.functional.linear(x, other), atol=1e-5)
+    with torch.no_grad():
+        weight.mul_(-2.0)  # in place: its version counter moves, so the next use repacks
+    with mode:
+        out = torch.nn.functional.linear(x, weight)
+    assert torch.allclose(out, torch.nn.functional.linear(x, weight), atol=1e-5)
+    assert compiled.pack_weights([weight], 4) == [] and compiled.pack_weights([weight], 2) == [weight]
+    compiled.release_packed_weights([weight], 2)
+    assert (weight.data_ptr(), 2) not in compiled._PACKS and (weight.data_ptr(), 4) in compiled._PACKS
+    compiled.release_packed_weights()
+    assert not compiled._PACKS
+
+
+@needs_packing
+@pytest.mark.parametrize("target_name", list(TARGETS))
+def test_packed_graphs_equal_target_greedy_and_eager(drafters, target_name):
+    """Every graph with MKL-packed weights (what "auto" picks where packing is fastest): the target's greedy output and
+    the eager loop's run, for the short, one-block and longer prompts; the stats name the packed graphs."""
+    target, xpress = drafters(target_name, "xpress")
+    for i, length in enumerate(PROMPT_LENGTHS):
+        ids = prompt(target.config.vocab_size, length, seed=20 + i)
+        expected = target.generate(ids, max_new_tokens=21, do_sample=False)
+        out = xpress.spec_generate(target, ids, max_new_tokens=21, compile=True, linear_layout="packed")
+        assert torch.equal(out.sequences, expected)
+        assert_same_run(out, xpress.spec_generate(target, ids, max_new_tokens=21))
+        assert "verify:8" in out.stats.packed_graphs and "drafter:8" in out.stats.as_dict()["packed_graphs"]
+        assert out.stats.weight_major_graphs == []
+        # the verification's width and the drafter's rows have packs, which the graphs read
+        assert all((w.data_ptr(), 8) in compiled._PACKS for w in compiled.linear_weights(target, xpress))
+
+
+@needs_packing
+def test_packed_sampling_equals_eager_draw_for_draw(sampling_pair):
+    target, xpress = sampling_pair
+    samples = draw(xpress, target, compile=True, seed=9, draws=25, temperature=1.0, linear_layout="packed")
+    assert samples == draw(xpress, target, compile=False, seed=9, draws=25, temperature=1.0)
+
+
+def test_packed_layout_errors(drafters, monkeypatch):
+    """packed: the compiled loop only, float32 weights on a CPU, and a build with MKL's packed GEMM."""
+    target, xpress = drafters("llama", "none")
+    ids = prompt(96, 4)
+    with pytest.raises(ValueError, match="packed.*compile=True"):
+        xpress.spec_generate(target, ids, max_new_tokens=4, linear_layout="packed")
+    if compiled.mkl_packing_available():
+        bf16_target = tiny_llama().to(torch.bfloat16)
+        bf16_xpress = tiny_xpress(bf16_target, refiner="none")
+        with pytest.raises(ValueError, match="packs float32 weights.*torch.bfloat16"):
+            bf16_xpress.spec_generate(bf16_target, ids, max_new_tokens=4, compile=True, linear_layout="packed")
+    monkeypatch.setattr(compiled, "_PACKING_WORKS", [False])
+    with pytest.raises(ValueError, match="MKL's packed GEMM"):
+        CompiledDecoder(xpress, target, 64, 0.0, None, None, "packed")
+    assert not compiled.packed_pays(compiled.linear_weights(target), 4)  # auto never picks it then
 
 
 def test_linear_layout_errors(drafters):

@@ -10,6 +10,7 @@ cap; and the errors a user sees.
 import pytest
 import torch
 
+import modeling_xpress.compiled as compiled
 import modeling_xpress.draft_cap as draft_cap
 from modeling_xpress import XPressConfig
 from modeling_xpress.draft_cap import acceptance_from_blocks, best_cap, choose_draft_cap, expected_tokens
@@ -81,6 +82,29 @@ def test_the_timed_costs_go_where_the_rule_reads_them(monkeypatch):
     n = len(calls)
     assert choose_draft_cap(xpress, target, compiled=False) is choice and len(calls) == n
     assert len(choose_draft_cap(xpress, target, compiled=False, max_cap=2).verify_seconds) == 2
+
+
+@pytest.mark.skipif(not compiled.mkl_packing_available(), reason="no MKL packed GEMM in this build")
+def test_packed_products_are_timed_with_packs_and_leave_none(monkeypatch):
+    """A packed job is timed with its weights packed for its rows, and the packs it made are dropped afterwards
+    (packs a decoder made before stay)."""
+    weights = [torch.randn(64, 16), torch.randn(16, 64)]
+    compiled.release_packed_weights()
+    compiled.pack_weights(weights[:1], 3)
+    seen = []
+    real = compiled._packed_linear
+
+    def spy(x, weight):
+        seen.append((weight.data_ptr(), x.shape[0]) in compiled._PACKS)
+        return real(x, weight)
+
+    seconds = draft_cap.products_seconds([(weights, 3, "packed"), (weights, 2, "input_major")], repeats=2)
+    assert len(seconds) == 2 and all(t > 0 for t in seconds)
+    assert set(compiled._PACKS) == {(weights[0].data_ptr(), 3)}
+    monkeypatch.setattr(draft_cap, "packed_linear", spy)  # the operator's kernel, watched through a stand-in
+    draft_cap.products_seconds([(weights, 3, "packed")], repeats=1)
+    assert seen and all(seen)
+    compiled.release_packed_weights()
 
 
 @pytest.mark.parametrize("compile", [False, True])

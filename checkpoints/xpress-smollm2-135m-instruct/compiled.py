@@ -34,6 +34,7 @@ This file travels with every saved checkpoint; it imports only torch, transforme
 """
 
 import contextlib
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -63,9 +64,10 @@ from .refinement import RefinementResult, decode, gumbel_noise, previous_tokens,
 LENGTH_BUCKET = 256
 # Compiled decoders kept alive at once (each holds two static caches); the least recently used is released first.
 MAX_DECODERS = 8
-# How the compiled graphs compute `F.linear` (`spec_generate(..., linear_layout=...)`): "auto" times both layouts on
-# the models' own weights once per row count and goes weight-major where that is clearly faster (on a GPU: never).
-LINEAR_LAYOUTS = ("auto", "input_major", "weight_major")
+# How the compiled graphs compute `F.linear` (`spec_generate(..., linear_layout=...)`): "auto" times the layouts on
+# the models' own weights once per row count and leaves input-major only where another is clearly faster (on a GPU:
+# never). "packed" multiplies by weights prepacked for MKL's packed GEMM (CPU, fp32; `PackedLinear`).
+LINEAR_LAYOUTS = ("auto", "input_major", "weight_major", "packed")
 # Weight-major is chosen only if the timed products are at least 1.25× faster that way: the microbenchmark leaves out
 # what the layout changes around the product inside a graph. Measured on SmolLM2 (2-core AMD EPYC), whole compiled
 # target forwards: fp32 at 3 rows 82 → 30 ms weight-major (products 2.6× faster), at 16 rows 75 → 66 ms (1.26×); bf16
@@ -83,10 +85,13 @@ class CompiledGenerationStats(XPressGenerationStats):
     verify_widths: list[int] = field(default_factory=list)
     # the decoder's graphs that compute F.linear weight-major, as "name:rows" (`spec_generate`'s linear_layout)
     weight_major_graphs: list[str] = field(default_factory=list)
+    # the decoder's graphs that compute F.linear with MKL-packed weights, likewise
+    packed_graphs: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {**super().as_dict(), "time_compile": self.time_compile, "verify_widths": list(self.verify_widths),
-                "weight_major_graphs": list(self.weight_major_graphs)}  # fmt: skip
+                "weight_major_graphs": list(self.weight_major_graphs),
+                "packed_graphs": list(self.packed_graphs)}  # fmt: skip
 
 
 def verify_widths(widest: int) -> list[int]:
@@ -180,12 +185,181 @@ def weight_major_layout(linear_layout: str, weights, rows: int) -> bool:
     return weights[0].device.type != "cuda" and weight_major_pays(weights, rows)
 
 
+# --- MKL packed weights (CPU, fp32) ------------------------------------------------------------------------------
+# MKL can prepack a GEMM operand into its kernels' own blocked layout once (`cblas_sgemm_pack`) and then multiply
+# input rows by it (`cblas_sgemm_compute`); torch exposes both (`torch.ops.mkl._mkl_reorder_linear_weight` /
+# `_mkl_linear`), and inductor's `freezing` uses them for fp32 linears. For the few rows of a verification this is the
+# fastest product measured on the 2-core Intel Xeon (Ice Lake, AVX-512) of this project: all of SmolLM2's products
+# over 4 / 8 / 16 rows took 53 / 65 / 111 ms input-major and 30 / 31 / 41 ms packed (one row: ~26 ms either way; 2-3
+# rows: input-major is as fast). A pack is made for a row count: packed for 1 row and used for 4, the same products
+# took 37 ms. So packs are kept per (weight, rows), each +1x that weight's memory, made only for the widths a decoder
+# compiles, until `release_compiled_decoders()`. The graphs call them through one operator with the weight as its
+# input, so no weight is folded into a graph: a weight changed in place is repacked at its next use (its version
+# counter moved), and a (weight, rows) that was never packed goes through `F.linear`.
+
+_PACKS: dict[tuple[int, int], tuple[torch.Tensor, int, torch.Tensor]] = {}  # (data_ptr, rows) -> weight, version, pack
+_PACKING_WORKS: list[bool] = []
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+
+
+def mkl_packing_available() -> bool:
+    """Whether this torch build has MKL's packed GEMM and it computes `F.linear` here (checked once per process on a
+    small weight)."""
+    if not _PACKING_WORKS:
+        works = bool(torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
+        if works:
+            try:
+                generator = torch.Generator().manual_seed(0)
+                weight = torch.randn(72, 40, generator=generator)
+                for rows in (1, 3, 16):
+                    x = torch.randn(rows, 40, generator=generator)
+                    out = torch.ops.mkl._mkl_linear(x, _pack(weight, rows), weight, None, rows)
+                    works &= torch.allclose(out, F.linear(x, weight), rtol=1e-4, atol=1e-5)
+            except RuntimeError:  # a build whose MKL ops exist but do not run here
+                works = False
+        _PACKING_WORKS.append(works)
+    return _PACKING_WORKS[0]
+
+
+def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+
+
+def pack_weights(weights, rows: int) -> list[torch.Tensor]:
+    """Prepack the fp32 CPU weights among `weights` for products over `rows` input rows (once each; again if one
+    changed in place since). Returns the weights that had no pack for `rows` before."""
+    new = []
+    for weight in weights:
+        if _packable(weight):
+            kept = _PACKS.get((weight.data_ptr(), rows))
+            if kept is None:
+                new.append(weight)
+            if kept is None or kept[1] != weight._version or kept[0].shape != weight.shape:
+                _PACKS[weight.data_ptr(), rows] = (weight, weight._version, _pack(weight, rows))
+    return new
+
+
+def release_packed_weights(weights=None, rows: int | None = None) -> None:
+    """Drop the packs of `weights` for `rows` rows, or every kept pack (`release_compiled_decoders` does this)."""
+    if weights is None:
+        _PACKS.clear()
+        return
+    for weight in weights:
+        _PACKS.pop((weight.data_ptr(), rows), None)
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (rows, in) · Wᵀ with W's pack for that many rows; `F.linear` where there is none."""
+    key = (weight.data_ptr(), x.shape[0])
+    kept = _PACKS.get(key)
+    if kept is None or kept[0].shape != weight.shape or kept[0].stride() != weight.stride():
+        return F.linear(x, weight)
+    if kept[1] != weight._version:  # changed in place since it was packed
+        kept = _PACKS[key] = (kept[0], weight._version, _pack(weight, x.shape[0]))
+    return torch.ops.mkl._mkl_linear(x.contiguous(), kept[2], weight, None, x.shape[0])
+
+
+# An operator of its own, so a compiled graph calls it as one opaque kernel with the weight as its input. Registered
+# with a CPU kernel (`torch.library.Library`): as a `torch.library.custom_op` each call cost ~60 µs more inside a
+# graph, against ~20 µs for a whole small product. Named after this module: the package and a checkpoint's copy of
+# this file (loaded with trust_remote_code) can live in one process.
+_OP_NAMESPACE = "xpress_" + re.sub(r"\W", "_", __name__)
+_LIBRARY = torch.library.Library(_OP_NAMESPACE, "DEF")
+_LIBRARY.define("packed_linear(Tensor x, Tensor weight) -> Tensor")
+_LIBRARY.impl("packed_linear", _packed_linear, "CPU")
+torch.library.register_fake(f"{_OP_NAMESPACE}::packed_linear", lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]),
+                            lib=_LIBRARY)  # fmt: skip
+packed_linear = getattr(torch.ops, _OP_NAMESPACE).packed_linear.default
+
+
+class PackedLinear(TorchFunctionMode):
+    """Inside this mode `F.linear(x, W, b)` with at most `max_rows` rows of x and an fp32 CPU weight is computed with
+    W's MKL pack (`pack_weights`; unpacked weights go through `F.linear`). Entered inside a compiled function, it is
+    traced into the graph. Other functions, and larger inputs, are untouched."""
+
+    def __init__(self, max_rows: int):
+        super().__init__()
+        self.max_rows = max_rows
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+            if _packable(weight) and x.dtype == weight.dtype and x.dim() >= 2 and 0 < rows <= self.max_rows:
+                out = packed_linear(x.reshape(rows, x.shape[-1]), weight)
+                if bias is not None:
+                    out = out + bias
+                return out.reshape(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
+
+
+_PACKED_TIMINGS: dict[tuple, tuple[float, float, float]] = {}
+
+
+@torch.no_grad()
+def packed_pays(weights, rows: int, repeats: int = 3) -> bool:
+    """Whether `F.linear` over `rows` rows of these weights is faster with MKL-packed weights than both other layouts,
+    and than input-major by `WEIGHT_MAJOR_MARGIN`. Timed as a forward streams them (`draft_cap.products_seconds`:
+    every weight once, packed for `rows`, the packs dropped after): one weight timed over and over stays in cache,
+    and on the Intel Xeon that ranked the layouts differently from the forward. Each (weights, rows, threads) is timed
+    once per process. False where packing is unavailable or a weight is not fp32 on a CPU."""
+    if not mkl_packing_available() or not all(_packable(weight) for weight in weights):
+        return False
+    key = (tuple(weight.data_ptr() for weight in weights), rows, torch.get_num_threads())
+    if key not in _PACKED_TIMINGS:
+        from .draft_cap import products_seconds  # (draft_cap imports this module)
+
+        jobs = [(weights, rows, kind) for kind in ("packed", "input_major", "weight_major")]
+        _PACKED_TIMINGS[key] = tuple(products_seconds(jobs, repeats=repeats))
+    packed, input_major, weight_major = _PACKED_TIMINGS[key]
+    return packed < WEIGHT_MAJOR_MARGIN * input_major and packed < weight_major
+
+
+def linear_layout_kind(linear_layout: str, weights, rows: int) -> str:
+    """The layout the compiled graphs use for `F.linear` over `rows` rows of these weights: "packed" where asked or,
+    with "auto", where `packed_pays`; else "weight_major" where `weight_major_layout` says so; else "input_major"."""
+    if linear_layout == "packed" or (linear_layout == "auto" and weights[0].device.type != "cuda"
+                                     and packed_pays(weights, rows)):  # fmt: skip
+        return "packed"
+    return "weight_major" if weight_major_layout(linear_layout, weights, rows) else "input_major"
+
+
+def linear_mode(kind: str, max_rows: int):
+    """The context that computes `F.linear` over at most `max_rows` rows in layout `kind`."""
+    if kind == "packed":
+        return PackedLinear(max_rows)
+    if kind == "weight_major":
+        return WeightMajorLinear(max_rows)
+    return contextlib.nullcontext()
+
+
+def check_packed_layout(weights) -> None:
+    """`linear_layout="packed"` needs MKL's packed GEMM and fp32 CPU weights: an error that says so, before tracing."""
+    if not mkl_packing_available():
+        raise ValueError(
+            "linear_layout='packed' needs MKL's packed GEMM, which this torch build or CPU does not provide: use "
+            "linear_layout='auto' (it picks the fastest layout available here)."
+        )
+    bad = sorted({f"{weight.dtype} on {weight.device.type}" for weight in weights if not _packable(weight)})
+    if bad:
+        raise ValueError(
+            f"linear_layout='packed' packs float32 weights on a CPU, but these models have weights in {', '.join(bad)}: "
+            "load them in float32 on the CPU, or use linear_layout='auto'."
+        )
+
+
 def check_linear_layout(linear_layout) -> None:
     if linear_layout not in LINEAR_LAYOUTS:
         raise ValueError(
             f"linear_layout must be one of {', '.join(map(repr, LINEAR_LAYOUTS))}, got {linear_layout!r}: 'auto' "
-            "times both layouts on the models' weights and goes weight-major where that is clearly faster, "
-            "'input_major' is F.linear as is, 'weight_major' computes it as (W @ x.T).T."
+            "times the layouts on the models' weights and leaves input-major where no other is clearly faster, "
+            "'input_major' is F.linear as is, 'weight_major' computes it as (W @ x.T).T, 'packed' multiplies by "
+            "weights prepacked for MKL (compile=True, float32 on a CPU)."
         )
 
 
@@ -321,7 +495,10 @@ class CompiledDecoder:
         )
         self.cuda = target.device.type == "cuda"
         mode = "reduce-overhead" if self.cuda else None  # CUDA graphs on a GPU; plain inductor kernels on CPU
-        self.weight_major = self._choose_layouts(linear_layout)
+        self.layouts = self._choose_layouts(linear_layout)
+        self.weight_major = frozenset(graph for graph, kind in self.layouts.items() if kind == "weight_major")
+        self.packed = frozenset(graph for graph, kind in self.layouts.items() if kind == "packed")
+        self.pack_for("drafter", self.block)
         self.compile_seconds = 0.0
         self.verified_widths: set[int] = set()  # verification widths whose graph is compiled
         self.drafter = _TimedCompile(self._draft, self, mode)
@@ -329,11 +506,13 @@ class CompiledDecoder:
         self.refiner = _TimedCompile(self._refine, self, mode)
         self.verify = _TimedCompile(self._verify, self, mode)
 
-    def _choose_layouts(self, linear_layout: str) -> frozenset:
-        """The graphs, as (name, rows), that compute `F.linear` weight-major: decided once here, before any graph is
-        traced, and never changed (a graph reads this set as a constant). "auto" times both layouts on each graph's
-        weights: the target's at every verification width 1..B, the drafter's at B rows, the readout at every draft
-        count 1..B - 1 (it reads out only the drafts a step can verify)."""
+    def _choose_layouts(self, linear_layout: str) -> dict:
+        """The graphs, as (name, rows), that do not compute `F.linear` input-major, with their layout
+        (`linear_layout_kind`): decided once here, before any graph is traced, and never changed (a graph reads it as
+        a constant). "auto" times the layouts on each graph's weights: the target's at every verification width
+        1..B, the drafter's at B rows, the readout at every draft count 1..B - 1 (it reads out only the drafts a step
+        can verify). "packed" packs every graph whose weights are all float32 on the CPU, and needs the target's to
+        be."""
         rows_of = {("verify", w): w for w in range(1, self.block + 1)}
         rows_of.update({("head", m): m for m in range(1, self.block)})
         rows_of[("drafter", self.block)] = self.block
@@ -343,14 +522,32 @@ class CompiledDecoder:
             "drafter": linear_weights(self.xpress),
             "head": [self.lm_head.weight if rows is None else rows[0]],
         }
-        return frozenset(graph for graph, n in rows_of.items()
-                         if weight_major_layout(linear_layout, weights[graph[0]], n))  # fmt: skip
+        if linear_layout == "packed":
+            check_packed_layout(weights["verify"])
+        layouts = {}
+        for graph, n in rows_of.items():
+            graph_weights = weights[graph[0]]
+            if linear_layout == "packed" and not all(_packable(w) for w in graph_weights):
+                continue  # say, a bfloat16 drafter beside a float32 target: input-major
+            kind = linear_layout_kind(linear_layout, graph_weights, n)
+            if kind != "input_major":
+                layouts[graph] = kind
+        self.graph_weights = weights
+        return layouts
+
+    def pack_for(self, graph: str, rows: int) -> None:
+        """Pack the weights of graph (`graph`, `rows`) for its products if it is a packed graph: called before the graph
+        first runs, so only the widths a decoder uses hold packs. The drafter's K/V read [context; block], 2B rows:
+        its weights are packed for those too."""
+        if (graph, rows) in self.packed:
+            pack_weights(self.graph_weights[graph], rows)
+            if graph == "drafter":
+                pack_weights(self.graph_weights[graph], 2 * rows)
 
     def _linear_mode(self, graph: str, rows: int):
         """The `F.linear` layout of one graph: entered inside it, so the choice is traced into the graph."""
-        if (graph, rows) in self.weight_major:
-            return WeightMajorLinear(max_rows=2 * self.block)  # the drafter's K/V read [context; block]: 2B rows
-        return contextlib.nullcontext()
+        # max_rows 2B: the drafter's K/V read [context; block]
+        return linear_mode(self.layouts.get((graph, rows), "input_major"), 2 * self.block)
 
     # --- the four graphs ------------------------------------------------------------------------------------------
 
@@ -427,6 +624,7 @@ class CompiledDecoder:
         leave in the cache is ever read. Then no step of a call compiles in the middle of decoding."""
         for width in widths:
             if width not in self.verified_widths:
+                self.pack_for("verify", width)
                 placeholder = anchor.reshape(1, 1).expand(1, width).contiguous()  # laid out as the real calls' ids
                 self.verify(placeholder, torch.tensor(anchor_pos, device=anchor.device))
                 self.verified_widths.add(width)
@@ -457,8 +655,9 @@ _DECODERS: "OrderedDict[tuple, CompiledDecoder]" = OrderedDict()
 
 
 def release_compiled_decoders() -> None:
-    """Drop every kept compiled decoder (its static caches and the models it references)."""
+    """Drop every kept compiled decoder (its static caches and the models it references) and every weight pack."""
     _DECODERS.clear()
+    release_packed_weights()
 
 
 def compiled_decoder(xpress, target, max_cache_len: int, temperature: float, top_k, top_p,
@@ -548,7 +747,8 @@ def compiled_spec_generate(
     with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
         decoder = compiled_decoder(xpress, target, cache_len, temperature, top_k, top_p, linear_layout)
         compiled_before = decoder.compile_seconds
-        stats = CompiledGenerationStats(weight_major_graphs=[f"{g}:{rows}" for g, rows in sorted(decoder.weight_major)])
+        stats = CompiledGenerationStats(weight_major_graphs=[f"{g}:{rows}" for g, rows in sorted(decoder.weight_major)],
+                                        packed_graphs=[f"{g}:{rows}" for g, rows in sorted(decoder.packed)])  # fmt: skip
         xpress.generation_stats = stats
         out = _decode(decoder, input_ids, max_new_tokens, stop, generator, draft_rule, stats)
         stats.time_compile = decoder.compile_seconds - compiled_before
@@ -580,6 +780,7 @@ def _decode(decoder: CompiledDecoder, input_ids, max_new_tokens, stop, generator
     fixed_width = not draft_rule.threshold
     decoder.compile_verify_widths([widest] if fixed_width else verify_widths(widest), sequence[0, -1],
                                   sequence.shape[1] - 1)  # fmt: skip
+    decoder.pack_for("head", widest - 1)  # the readout of the cap's drafts
     stats.record("verify", start, timer.mark())
     prompt_len = input_ids.shape[1]
 
@@ -646,6 +847,7 @@ def _decode(decoder: CompiledDecoder, input_ids, max_new_tokens, stop, generator
 
 __all__ = [
     "LINEAR_LAYOUTS",
+    "PackedLinear",
     "WeightMajorLinear",
     "CompiledDecoder",
     "cache_length",
@@ -654,7 +856,12 @@ __all__ = [
     "CompiledGenerationStats",
     "compiled_spec_generate",
     "jacobi_fixed_iterations",
+    "linear_layout_kind",
     "linear_weights",
+    "mkl_packing_available",
+    "pack_weights",
+    "packed_pays",
     "release_compiled_decoders",
+    "release_packed_weights",
     "weight_major_pays",
 ]

@@ -9,7 +9,8 @@ where s_k is the fraction of blocks whose first k drafts the target accepts. The
 `acceptance_from_blocks`). What a block costs depends on the machine: the drafter's step costs about the same for any
 c, the verification is a target forward over c + 1 tokens. On a GPU that forward barely grows with c; on a CPU it is
 its matrix products, and how their cost grows with the row count depends on the CPU and its BLAS (on one 2-core Intel
-Xeon, MKL's fp32 product over 4 rows cost twice its 1-row cost; on an AMD EPYC, weight-major, about the same). So
+Xeon, MKL's fp32 product over 4 rows cost twice its 1-row cost input-major, and about 1.2x with MKL-packed weights;
+on an AMD EPYC, weight-major, about the same). So
 `choose_draft_cap` times those products here, on the models' own weights, and takes the c with the most expected
 tokens per second: E(c) / (drafter + verification(c + 1)).
 
@@ -28,7 +29,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .compiled import linear_weights, weight_major_layout
+from .compiled import linear_layout_kind, linear_weights, pack_weights, packed_linear, release_packed_weights
 from .configuration_xpress import check_acceptance
 from .generation import VerificationLayout, WallClock
 
@@ -92,31 +93,43 @@ def best_cap(acceptance: Sequence[float], draft_seconds: float, verify_seconds: 
 
 
 @torch.no_grad()
-def products_seconds(jobs: Sequence[tuple[Sequence[torch.Tensor], int, bool]], *, repeats: int = 5) -> list[float]:
-    """Median seconds of each job (weights, rows, weight_major): one pass of `rows` input rows through every weight in
-    turn, as a forward multiplies them (each weight once, so they stream from memory), `F.linear(x, W)` or, with
-    `weight_major`, `(W @ x.T).T`. The jobs are timed in turn, `repeats` rounds after one untimed round, so a drift in
-    the machine's speed hits them alike."""
+def products_seconds(jobs: Sequence[tuple[Sequence[torch.Tensor], int, str]], *, repeats: int = 5) -> list[float]:
+    """Median seconds of each job (weights, rows, layout): one pass of `rows` input rows through every weight in
+    turn, as a forward multiplies them (each weight once, so they stream from memory), in the layout the graphs or
+    the eager loop use (`compiled.linear_layout_kind`): `F.linear(x, W)`, `(W @ x.T).T` ("weight_major") or W's MKL
+    pack for that many rows ("packed"). The unpacked jobs are timed in turn, `repeats` rounds after one untimed
+    round, so a drift in the machine's speed hits them alike; each packed job is timed alone, between packing its
+    weights and dropping the packs it made, so at most one extra copy of the weights is held."""
     inputs = {}
     for weights, rows, _ in jobs:
         for weight in weights:
             key = (rows, weight.shape[1], weight.dtype, weight.device)
             if key not in inputs:
                 inputs[key] = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    product = {"input_major": F.linear, "weight_major": lambda x, w: torch.mm(w, x.t()), "packed": packed_linear}
 
-    def sweep(weights, rows, weight_major):
+    def sweep(weights, rows, kind):
         for weight in weights:
-            x = inputs[(rows, weight.shape[1], weight.dtype, weight.device)]
-            torch.mm(weight, x.t()) if weight_major else F.linear(x, weight)
+            product[kind](inputs[(rows, weight.shape[1], weight.dtype, weight.device)], weight)
 
     clock = WallClock(jobs[0][0][0].device)
     samples = [[] for _ in jobs]
+    in_turn = [i for i, job in enumerate(jobs) if job[2] != "packed"]
     for round_ in range(repeats + 1):
-        for job, times in zip(jobs, samples):
+        for i in in_turn:
             start = clock.now()
-            sweep(*job)
+            sweep(*jobs[i])
             if round_:  # the first round warms up
-                times.append(clock.now() - start)
+                samples[i].append(clock.now() - start)
+    for i, (weights, rows, kind) in enumerate(jobs):
+        if kind == "packed":
+            new = pack_weights(weights, rows)
+            for round_ in range(repeats + 1):
+                start = clock.now()
+                sweep(weights, rows, kind)
+                if round_:
+                    samples[i].append(clock.now() - start)
+            release_packed_weights(new, rows)
     return [statistics.median(times) for times in samples]
 
 
@@ -129,8 +142,9 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
 
     `acceptance`: s_1..s_n (default: the checkpoint's `config.draft_acceptance`); candidates are 1..min(n, `max_cap`,
     block_size - 1). `compiled`: time the products in the layout `spec_generate(compile=True, linear_layout=...)`'s
-    graphs will use ("auto": weight-major where that is clearly faster, on a CPU), else as the eager loop runs them
-    (its verification in the same layout, `generation.VerificationLayout`; the drafter and readout input-major).
+    graphs will use ("auto": MKL-packed or weight-major where that is clearly faster, on a CPU), else as the eager
+    loop runs them (its verification weight-major where that pays, `generation.VerificationLayout`; the drafter and
+    readout input-major).
     Each (models, setting, thread count) is timed once per process: a few seconds on a 2-core CPU for SmolLM2 and 15
     candidates.
     """
@@ -153,10 +167,15 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     if kept is not None and kept[0] is xpress and kept[1] is target:
         return kept[2]
 
-    verification = VerificationLayout(target, linear_layout)  # the eager loop verifies in the graphs' layout too
+    verification = VerificationLayout(target, linear_layout)  # the eager loop's verification layout
 
-    def graph_layout(weights, rows: int) -> bool:  # the drafter and readout: weight-major in compiled graphs only
-        return compiled and weight_major_layout(linear_layout, weights, rows)
+    def graph_layout(weights, rows: int) -> str:  # the drafter and readout: input-major in the eager loop
+        return linear_layout_kind(linear_layout, weights, rows) if compiled else "input_major"
+
+    def verify_layout(rows: int) -> str:
+        if compiled:
+            return graph_layout(verification.weights, rows)
+        return "weight_major" if verification.weight_major(rows) else "input_major"
 
     lm_head = target.get_output_embeddings()
     readout = xpress.draft_readout(lm_head)
@@ -164,7 +183,7 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     drafter_weights = linear_weights(xpress)
     jobs = [(drafter_weights, block, graph_layout(drafter_weights, block))]
     for cap in range(1, candidates + 1):  # the verification over cap + 1 tokens, the readout of cap drafts
-        jobs += [(verification.weights, cap + 1, verification.weight_major(cap + 1)),
+        jobs += [(verification.weights, cap + 1, verify_layout(cap + 1)),
                  (readout_weight, cap, graph_layout(readout_weight, cap))]  # fmt: skip
     seconds = products_seconds(jobs, repeats=repeats)
     draft_seconds = seconds[0]
