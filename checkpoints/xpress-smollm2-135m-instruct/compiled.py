@@ -321,10 +321,12 @@ def packed_pays(weights, rows: int, repeats: int = 3) -> bool:
 
 
 def linear_layout_kind(linear_layout: str, weights, rows: int) -> str:
-    """The layout the compiled graphs use for `F.linear` over `rows` rows of these weights: "packed" where asked or,
-    with "auto", where `packed_pays`; else "weight_major" where `weight_major_layout` says so; else "input_major"."""
-    if linear_layout == "packed" or (linear_layout == "auto" and weights[0].device.type != "cuda"
-                                     and packed_pays(weights, rows)):  # fmt: skip
+    """The layout the compiled graphs use for `F.linear` over `rows` rows of these weights: "packed" where asked (for
+    weights that are all float32 on the CPU) or, with "auto", where `packed_pays`; else "weight_major" where
+    `weight_major_layout` says so; else "input_major"."""
+    if linear_layout == "packed":
+        return "packed" if all(_packable(weight) for weight in weights) else "input_major"
+    if linear_layout == "auto" and weights[0].device.type != "cuda" and packed_pays(weights, rows):
         return "packed"
     return "weight_major" if weight_major_layout(linear_layout, weights, rows) else "input_major"
 
@@ -526,10 +528,7 @@ class CompiledDecoder:
             check_packed_layout(weights["verify"])
         layouts = {}
         for graph, n in rows_of.items():
-            graph_weights = weights[graph[0]]
-            if linear_layout == "packed" and not all(_packable(w) for w in graph_weights):
-                continue  # say, a bfloat16 drafter beside a float32 target: input-major
-            kind = linear_layout_kind(linear_layout, graph_weights, n)
+            kind = linear_layout_kind(linear_layout, weights[graph[0]], n)  # (a bfloat16 drafter: input-major)
             if kind != "input_major":
                 layouts[graph] = kind
         self.graph_weights = weights
