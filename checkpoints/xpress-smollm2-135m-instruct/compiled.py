@@ -114,14 +114,20 @@ def verify_width(widest: int, tokens: int) -> int:
 # 3 rows. Which layout is faster depends on the CPU and the BLAS build, so "auto" times both (`weight_major_pays`).
 
 
-class WeightMajorLinear(TorchFunctionMode):
-    """Inside this mode `F.linear(x, W, b)` with at most `max_rows` rows of x is computed as `(W @ x_2dᵀ)ᵀ + b`: the
-    same product, another operand order for the BLAS. Entered inside a compiled function, it is traced into the graph
-    (no Python cost per call). Other functions, and larger inputs, are untouched."""
+class _FewRowLinear(TorchFunctionMode):
+    """Inside this mode `F.linear(x, W, b)` with at most `max_rows` rows of x (and a weight `applies` accepts) is
+    computed as `product(x_2d, W)` (+ b): the same product, another kernel. Entered inside a compiled function, it is
+    traced into the graph (no Python cost per call). Other functions, and larger inputs, are untouched."""
 
     def __init__(self, max_rows: int):
         super().__init__()
         self.max_rows = max_rows
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return weight.dim() == 2
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -129,12 +135,20 @@ class WeightMajorLinear(TorchFunctionMode):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-            if weight.dim() == 2 and x.dim() >= 2 and 0 < rows <= self.max_rows:
-                out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()
+            if self.applies(x, weight) and x.dim() >= 2 and 0 < rows <= self.max_rows:
+                out = self.product(x.reshape(rows, x.shape[-1]), weight)
                 if bias is not None:
                     out = out + bias
                 return out.reshape(*x.shape[:-1], weight.shape[0])
         return func(*args, **kwargs)
+
+
+class WeightMajorLinear(_FewRowLinear):
+    """`F.linear` over a few rows computed as `(W @ x_2dᵀ)ᵀ + b`: the same product, another operand order for the
+    BLAS (`_FewRowLinear`)."""
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.mm(weight, x.t()).t()
 
 
 _LAYOUT_TIMINGS: dict[tuple, tuple[float, float]] = {}
@@ -275,27 +289,15 @@ torch.library.register_fake(f"{_OP_NAMESPACE}::packed_linear", lambda x, weight:
 packed_linear = getattr(torch.ops, _OP_NAMESPACE).packed_linear.default
 
 
-class PackedLinear(TorchFunctionMode):
-    """Inside this mode `F.linear(x, W, b)` with at most `max_rows` rows of x and an fp32 CPU weight is computed with
-    W's MKL pack (`pack_weights`; unpacked weights go through `F.linear`). Entered inside a compiled function, it is
-    traced into the graph. Other functions, and larger inputs, are untouched."""
+class PackedLinear(_FewRowLinear):
+    """`F.linear` over a few rows of x with an fp32 CPU weight computed with W's MKL pack for that many rows
+    (`pack_weights`; a weight without one goes through `F.linear`)."""
 
-    def __init__(self, max_rows: int):
-        super().__init__()
-        self.max_rows = max_rows
+    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return _packable(weight) and x.dtype == weight.dtype
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-            if _packable(weight) and x.dtype == weight.dtype and x.dim() >= 2 and 0 < rows <= self.max_rows:
-                out = packed_linear(x.reshape(rows, x.shape[-1]), weight)
-                if bias is not None:
-                    out = out + bias
-                return out.reshape(*x.shape[:-1], weight.shape[0])
-        return func(*args, **kwargs)
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, weight)
 
 
 _PACKED_TIMINGS: dict[tuple, tuple[float, float, float]] = {}
