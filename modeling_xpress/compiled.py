@@ -499,10 +499,10 @@ class CompiledDecoder:
         )
         self.cuda = target.device.type == "cuda"
         mode = "reduce-overhead" if self.cuda else None  # CUDA graphs on a GPU; plain inductor kernels on CPU
-        self.layouts = self._choose_layouts(linear_layout)
-        self.weight_major = frozenset(graph for graph, kind in self.layouts.items() if kind == "weight_major")
-        self.packed = frozenset(graph for graph, kind in self.layouts.items() if kind == "packed")
-        self.pack_for("drafter", self.block)
+        self.linear_layout = linear_layout
+        self.graph_weights = self._graph_weights(linear_layout)
+        self.layouts: dict[tuple[str, int], str] = {}  # (graph, rows) -> layout, decided by `prepare`
+        self.prepare("drafter", self.block)
         self.compile_seconds = 0.0
         self.verified_widths: set[int] = set()  # verification widths whose graph is compiled
         self.drafter = _TimedCompile(self._draft, self, mode)
@@ -510,16 +510,10 @@ class CompiledDecoder:
         self.refiner = _TimedCompile(self._refine, self, mode)
         self.verify = _TimedCompile(self._verify, self, mode)
 
-    def _choose_layouts(self, linear_layout: str) -> dict:
-        """The graphs, as (name, rows), that do not compute `F.linear` input-major, with their layout
-        (`linear_layout_kind`): decided once here, before any graph is traced, and never changed (a graph reads it as
-        a constant). "auto" times the layouts on each graph's weights: the target's at every verification width
-        1..B, the drafter's at B rows, the readout at every draft count 1..B - 1 (it reads out only the drafts a step
-        can verify). "packed" packs every graph whose weights are all float32 on the CPU, and needs the target's to
-        be."""
-        rows_of = {("verify", w): w for w in range(1, self.block + 1)}
-        rows_of.update({("head", m): m for m in range(1, self.block)})
-        rows_of[("drafter", self.block)] = self.block
+    def _graph_weights(self, linear_layout: str) -> dict:
+        """The weights each graph multiplies by: the target's (verification), the drafter's, and the readout's one
+        matrix (the draft vocabulary's lm_head rows, or the whole lm_head). "packed" needs the target's to be float32
+        on the CPU: checked here, before anything is traced."""
         rows = self.head_rows()
         weights = {
             "verify": linear_weights(self.target),
@@ -528,26 +522,40 @@ class CompiledDecoder:
         }
         if linear_layout == "packed":
             check_packed_layout(weights["verify"])
-        layouts = {}
-        for graph, n in rows_of.items():
-            kind = linear_layout_kind(linear_layout, weights[graph[0]], n)  # (a bfloat16 drafter: input-major)
-            if kind != "input_major":
-                layouts[graph] = kind
-        self.graph_weights = weights
-        return layouts
+        return weights
 
-    def pack_for(self, graph: str, rows: int) -> None:
-        """Pack the weights of graph (`graph`, `rows`) for its products if it is a packed graph: called before the graph
-        first runs, so only the widths a decoder uses hold packs. The drafter's K/V read [context; block], 2B rows:
-        its weights are packed for those too."""
-        if (graph, rows) in self.packed:
+    def prepare(self, graph: str, rows: int) -> None:
+        """Decide the `F.linear` layout of graph (`graph`, `rows`) (`linear_layout_kind`: "auto" times the layouts on
+        that graph's weights for that many rows) and pack its weights if it is a packed graph. Called before the
+        graph first runs (the drafter when the decoder is built, each verification width before it is compiled, the
+        readout before a call's loop), so only the widths a decoder uses are timed and hold packs, and a traced
+        graph reads a decided layout as a constant. Packs are made again if they were released or a weight changed
+        in place; the layout is never changed. The drafter's K/V read [context; block], 2B rows: its weights are
+        packed for those too."""
+        key = (graph, rows)
+        if key not in self.layouts:  # a bfloat16 drafter, or a GPU: input-major in the rule itself
+            self.layouts[key] = linear_layout_kind(self.linear_layout, self.graph_weights[graph], rows)
+        if self.layouts[key] == "packed":
             pack_weights(self.graph_weights[graph], rows)
             if graph == "drafter":
                 pack_weights(self.graph_weights[graph], 2 * rows)
 
+    def graphs_in(self, kind: str) -> frozenset:
+        """The graphs decided so far, as (name, rows), whose `F.linear` layout is `kind`."""
+        return frozenset(graph for graph, layout in self.layouts.items() if layout == kind)
+
+    @property
+    def weight_major(self) -> frozenset:
+        return self.graphs_in("weight_major")
+
+    @property
+    def packed(self) -> frozenset:
+        return self.graphs_in("packed")
+
     def _linear_mode(self, graph: str, rows: int):
         """The `F.linear` layout of one graph: entered inside it, so the choice is traced into the graph."""
         # max_rows 2B: the drafter's K/V read [context; block]
+        # A graph run without `prepare` (only a direct call of `_draft` / `_verify`) computes F.linear as it is.
         return linear_mode(self.layouts.get((graph, rows), "input_major"), 2 * self.block)
 
     # --- the four graphs ------------------------------------------------------------------------------------------
@@ -625,7 +633,7 @@ class CompiledDecoder:
         leave in the cache is ever read. Then no step of a call compiles in the middle of decoding."""
         for width in widths:
             if width not in self.verified_widths:
-                self.pack_for("verify", width)
+                self.prepare("verify", width)
                 placeholder = anchor.reshape(1, 1).expand(1, width).contiguous()  # laid out as the real calls' ids
                 self.verify(placeholder, torch.tensor(anchor_pos, device=anchor.device))
                 self.verified_widths.add(width)
@@ -729,7 +737,8 @@ def compiled_spec_generate(
 
     Arguments are checked by `spec_generate`, which dispatches here for `compile=True`. `max_cache_len`: the caches'
     length (default: this call's bucket, `cache_length`). `linear_layout`: how the graphs compute `F.linear`
-    (`LINEAR_LAYOUTS`; "auto" times both on the models' weights when the decoder is built, on a CPU).
+    (`LINEAR_LAYOUTS`; "auto" times them on the models' weights, on a CPU, for each graph width the first time a call
+    uses it: `CompiledDecoder.prepare`).
     """
     block = xpress.config.block_size
     cache_len = cache_length(input_ids.shape[1], max_new_tokens, block)
@@ -748,11 +757,12 @@ def compiled_spec_generate(
     with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
         decoder = compiled_decoder(xpress, target, cache_len, temperature, top_k, top_p, linear_layout)
         compiled_before = decoder.compile_seconds
-        stats = CompiledGenerationStats(weight_major_graphs=[f"{g}:{rows}" for g, rows in sorted(decoder.weight_major)],
-                                        packed_graphs=[f"{g}:{rows}" for g, rows in sorted(decoder.packed)])  # fmt: skip
+        stats = CompiledGenerationStats()
         xpress.generation_stats = stats
         out = _decode(decoder, input_ids, max_new_tokens, stop, generator, draft_rule, stats)
         stats.time_compile = decoder.compile_seconds - compiled_before
+        stats.weight_major_graphs = [f"{g}:{rows}" for g, rows in sorted(decoder.weight_major)]
+        stats.packed_graphs = [f"{g}:{rows}" for g, rows in sorted(decoder.packed)]
     return out
 
 
@@ -781,7 +791,7 @@ def _decode(decoder: CompiledDecoder, input_ids, max_new_tokens, stop, generator
     fixed_width = not draft_rule.threshold
     decoder.compile_verify_widths([widest] if fixed_width else verify_widths(widest), sequence[0, -1],
                                   sequence.shape[1] - 1)  # fmt: skip
-    decoder.pack_for("head", widest - 1)  # the readout of the cap's drafts
+    decoder.prepare("head", widest - 1)  # the readout of the cap's drafts
     stats.record("verify", start, timer.mark())
     prompt_len = input_ids.shape[1]
 

@@ -465,15 +465,25 @@ def test_weight_major_linear_is_used_for_small_inputs_only(monkeypatch):
     assert seen == [(50, 12)]
 
 
+def every_graph(block: int) -> set:
+    return {*(("verify", w) for w in range(1, block + 1)), ("drafter", block), *(("head", m) for m in range(1, block))}
+
+
+def prepare_every_graph(decoder) -> None:
+    for graph, rows in every_graph(decoder.block):
+        decoder.prepare(graph, rows)
+
+
 def test_linear_layout_choice(drafters, monkeypatch):
     """input_major: no graph weight-major; weight_major: every graph; auto: the graphs whose timing says it pays
-    (here stubbed to verification widths 3 and 5), decided once when the decoder is built."""
+    (here stubbed to verification widths 3 and 5), each decided when it is prepared, and only then: building the
+    decoder decides the drafter alone (the one graph every call runs)."""
     target, xpress = drafters("llama", "xpress")
     block = xpress.config.block_size
-    assert CompiledDecoder(xpress, target, 64, 0.0, None, None, "input_major").weight_major == frozenset()
-    every = CompiledDecoder(xpress, target, 64, 0.0, None, None, "weight_major").weight_major
-    assert every == {*(("verify", w) for w in range(1, block + 1)), ("drafter", block),
-                     *(("head", m) for m in range(1, block))}  # fmt: skip
+    for layout, expected in (("input_major", frozenset()), ("weight_major", every_graph(block))):
+        decoder = CompiledDecoder(xpress, target, 64, 0.0, None, None, layout)
+        prepare_every_graph(decoder)
+        assert decoder.weight_major == expected
     asked = []
 
     def stub(weights, rows, repeats=5):
@@ -482,27 +492,39 @@ def test_linear_layout_choice(drafters, monkeypatch):
 
     monkeypatch.setattr(compiled, "weight_major_pays", stub)
     monkeypatch.setattr(compiled, "packed_pays", lambda weights, rows, repeats=5: False)
-    auto = CompiledDecoder(xpress, target, 64, 0.0, None, None, "auto").weight_major
-    assert auto == {("verify", 3), ("verify", 5)}
-    n_target = len(compiled.linear_weights(target))
-    assert (n_target, 3) in asked and (1, block - 1) in asked  # the target's weights; the readout's one matrix
+    decoder = CompiledDecoder(xpress, target, 64, 0.0, None, None, "auto")
+    n_target, n_drafter = len(compiled.linear_weights(target)), len(compiled.linear_weights(xpress))
+    assert asked == [(n_drafter, block)] and set(decoder.layouts) == {("drafter", block)}
+    decoder.prepare("verify", 3)
+    decoder.prepare("verify", 3)  # decided once
+    assert asked[1:] == [(n_target, 3)] and decoder.weight_major == {("verify", 3)}
+    prepare_every_graph(decoder)
+    assert decoder.weight_major == {("verify", 3), ("verify", 5)}
+    assert (1, block - 1) in asked  # the readout's one matrix
+    assert len(asked) == len(every_graph(block))
 
 
 def test_auto_prefers_packed_where_it_pays(drafters, monkeypatch):
     """auto: packed where its timing says so (here the verification at 4 tokens), weight-major where that pays and
-    packing does not, input-major elsewhere; the packed graphs' weights are packed when the decoder is built."""
+    packing does not, input-major elsewhere; a packed graph's weights are packed when it is prepared, again after a
+    release, and no other graph's."""
     target, xpress = drafters("llama", "none")
     monkeypatch.setattr(compiled, "weight_major_pays", lambda weights, rows, repeats=5: len(weights) > 1 and rows < 6)
     monkeypatch.setattr(compiled, "packed_pays", lambda weights, rows, repeats=5: len(weights) > 1 and rows == 4)
     compiled.release_packed_weights()
     decoder = CompiledDecoder(xpress, target, 64, 0.0, None, None, "auto")
+    assert not compiled._PACKS  # the drafter is not a packed graph here
+    decoder.prepare("verify", 3)  # weight-major: nothing packed
+    assert not compiled._PACKS
+    decoder.prepare("verify", 4)
+    target_packs = {(w.data_ptr(), 4) for w in compiled.linear_weights(target)}
+    assert target_packs == set(compiled._PACKS)
+    compiled.release_packed_weights()
+    decoder.prepare("verify", 4)  # released by hand: packed again at the next preparation
+    assert target_packs == set(compiled._PACKS)
+    prepare_every_graph(decoder)
     assert decoder.packed == {("verify", 4)}
     assert decoder.weight_major == {("verify", w) for w in (1, 2, 3, 5)}
-    assert not compiled._PACKS  # packed when a graph of that width is first compiled, not before
-    decoder.pack_for("verify", 3)  # not a packed graph: nothing
-    assert not compiled._PACKS
-    decoder.pack_for("verify", 4)
-    assert {(w.data_ptr(), 4) for w in compiled.linear_weights(target)} == set(compiled._PACKS)
     compiled.release_packed_weights()
 
 
