@@ -143,8 +143,8 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     `acceptance`: s_1..s_n (default: the checkpoint's `config.draft_acceptance`); candidates are 1..min(n, `max_cap`,
     block_size - 1). `compiled`: time the products in the layout `spec_generate(compile=True, linear_layout=...)`'s
     graphs will use ("auto": MKL-packed or weight-major where that is clearly faster, on a CPU), else as the eager
-    loop runs them (its verification weight-major where that pays, `generation.VerificationLayout`; the drafter and
-    readout input-major).
+    loop runs them (its verification weight-major where that pays, `generation.VerificationLayout`; the drafter as
+    the compiled graph's, `generation.DrafterLayout`; the readout input-major).
     Each (models, setting, thread count) is timed once per process: a few seconds on a 2-core CPU for SmolLM2 and 15
     candidates.
     """
@@ -169,7 +169,7 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
 
     verification = VerificationLayout(target, linear_layout)  # the eager loop's verification layout
 
-    def graph_layout(weights, rows: int) -> str:  # the drafter and readout: input-major in the eager loop
+    def graph_layout(weights, rows: int) -> str:  # the readout: input-major in the eager loop
         return linear_layout_kind(linear_layout, weights, rows) if compiled else "input_major"
 
     def verify_layout(rows: int) -> str:
@@ -181,7 +181,8 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     readout = xpress.draft_readout(lm_head)
     readout_weight = [lm_head.weight if readout is None else readout[0]]
     drafter_weights = linear_weights(xpress)
-    jobs = [(drafter_weights, block, graph_layout(drafter_weights, block))]
+    drafter_kind = linear_layout_kind(linear_layout, drafter_weights, block)  # the eager loop's `DrafterLayout` too
+    jobs = [(drafter_weights, block, drafter_kind)]
     for cap in range(1, candidates + 1):  # the verification over cap + 1 tokens, the readout of cap drafts
         jobs += [(verification.weights, cap + 1, verify_layout(cap + 1)),
                  (readout_weight, cap, graph_layout(readout_weight, cap))]  # fmt: skip

@@ -2,7 +2,8 @@
 and `generate(assistant_model=xpress)` run the target's few-row verification weight-major where that pays, as the
 compiled graphs do. The tests pin: the greedy output is the target's either way; the layout really changes (torch.mm
 with a weight as left operand); in `generate` only the verification forwards are changed, and no hook outlives the
-call."""
+call. Their drafter runs in the compiled drafter graph's layout (`generation.DrafterLayout`): MKL-packed weights
+where those pay, with the same outputs."""
 
 import pytest
 import torch
@@ -111,3 +112,71 @@ def test_a_forward_that_is_not_the_verification_only_disarms(weight_products, mo
     armed = target(input_ids=IDS[:, :3]).logits  # a 3-token verification: weight-major, the same logits up to rounding
     assert seen and set(seen) == {3} and not target._forward_pre_hooks and not target._forward_hooks
     torch.testing.assert_close(armed, reference)
+
+
+def test_drafter_layout_follows_the_compiled_drafter_rule(monkeypatch):
+    """The eager drafter's layout is `linear_layout_kind` at B rows, decided once: packed where that pays, else
+    weight-major where that pays, else input-major; forced layouts as asked."""
+    from modeling_xpress.generation import DrafterLayout
+
+    target, xpress = pair()
+    asked = []
+
+    def packed_pays(weights, rows, repeats=3):
+        asked.append(rows)
+        return True
+
+    monkeypatch.setattr(compiled, "packed_pays", packed_pays)
+    monkeypatch.setattr(compiled, "weight_major_pays", lambda weights, rows, repeats=5: True)
+    layout = DrafterLayout(xpress)
+    assert (layout.kind, layout.kind) == ("packed", "packed") and asked == [8]
+    monkeypatch.setattr(compiled, "packed_pays", lambda weights, rows, repeats=3: False)
+    assert DrafterLayout(xpress).kind == "weight_major"
+    assert DrafterLayout(xpress, "input_major").kind == "input_major"
+    assert DrafterLayout(xpress, "weight_major").kind == "weight_major"
+    with pytest.raises(ValueError, match="linear_layout must be one of"):
+        DrafterLayout(xpress, "transposed")
+
+
+@pytest.fixture
+def packed_products(monkeypatch):
+    """Every product `PackedLinear` computes, as (weight, rows); "auto" made to pack (MKL's packs are exact up to
+    rounding; the timing that decides it is tested in test_compiled)."""
+    if not compiled.mkl_packing_available():
+        pytest.skip("this torch build has no MKL packed GEMM")
+    seen, product = [], compiled.PackedLinear.product
+
+    def counting(self, x, weight):
+        seen.append((weight, x.shape[0]))
+        return product(self, x, weight)
+
+    monkeypatch.setattr(compiled.PackedLinear, "product", counting)
+    monkeypatch.setattr(compiled, "packed_pays", lambda weights, rows, repeats=3: True)
+    compiled.release_packed_weights()
+    yield seen
+    compiled.release_packed_weights()
+
+
+def packed_drafter_rows(seen, xpress) -> set[int]:
+    """The row counts of the products over the drafter's weights that had a pack for that many rows."""
+    drafter = {id(w) for w in compiled.linear_weights(xpress)}
+    return {rows for weight, rows in seen if id(weight) in drafter and (weight.data_ptr(), rows) in compiled._PACKS}
+
+
+def test_eager_loops_draft_with_packed_weights_exactly(packed_products):
+    """With the drafter packed, `spec_generate(compile=False)` and `generate(assistant_model=)` return the target's
+    greedy output, and sampling draws what the input-major drafter draws; the block's products (B rows) used the packs."""
+    target, xpress = pair()
+    reference = target.generate(IDS, max_new_tokens=30, do_sample=False)
+    out = xpress.spec_generate(target, IDS, max_new_tokens=30, stop_token_ids=[])
+    assert torch.equal(out.sequences, reference)
+    assert packed_drafter_rows(packed_products, xpress) == {8}
+    packed_products.clear()
+    assert torch.equal(target.generate(IDS, max_new_tokens=30, do_sample=False, assistant_model=xpress), reference)
+    assert packed_drafter_rows(packed_products, xpress) == {8}
+    sampled = {}
+    for layout in ("auto", "input_major"):
+        generator = torch.Generator().manual_seed(3)
+        sampled[layout] = xpress.spec_generate(target, IDS, max_new_tokens=30, temperature=1.0, stop_token_ids=[],
+                                               generator=generator, linear_layout=layout).sequences  # fmt: skip
+    assert torch.equal(sampled["auto"], sampled["input_major"])

@@ -289,6 +289,7 @@ def draft_block(
     timer: SectionTimer | None = None,
     draft_space: bool = False,
     positions: int | None = None,
+    drafter_layout: "DrafterLayout | None" = None,
 ) -> RefinementResult:
     """Draft one block after the committed prefix and return its tokens and their distributions.
 
@@ -297,7 +298,8 @@ def draft_block(
     cropped before returning. `draft_space`: decode over the draft vocabulary (allowed when `vocabulary_local` holds
     for the processors behind `logits_transform`); the result is the same either way, over the whole vocabulary.
     `positions`: read out and decode only the block's first that many drafts (the most a step can verify), which
-    come out as they would in the whole block; the drafter itself always runs the whole block.
+    come out as they would in the whole block; the drafter itself always runs the whole block. `drafter_layout`: how
+    the drafter's forward computes `F.linear` (`DrafterLayout`; None: as it is).
     """
     timer = timer or SectionTimer(anchor.device)
     block = xpress.config.block_size
@@ -306,12 +308,13 @@ def draft_block(
     c = context_features.shape[1]
     position_ids = torch.arange(context_start, context_start + c + block, device=anchor.device).unsqueeze(0)
     dtype = xpress.fc.weight.dtype
-    out = xpress(
-        noise_embeds=noise_embeds.to(dtype),
-        context_hidden_states=context_features.to(dtype),
-        position_ids=position_ids,
-        cache=cache,
-    )
+    with drafter_layout() if drafter_layout is not None else contextlib.nullcontext():
+        out = xpress(
+            noise_embeds=noise_embeds.to(dtype),
+            context_hidden_states=context_features.to(dtype),
+            position_ids=position_ids,
+            cache=cache,
+        )
     cache.crop(-block)
     hidden = out.last_hidden_state  # (1, B, H)
     t1 = timer.mark()
@@ -474,6 +477,43 @@ class VerificationLayout:
         return WeightMajorLinear(max_rows=width) if self.weight_major(width) else contextlib.nullcontext()
 
 
+class DrafterLayout:
+    """How the eager loops multiply the drafter's weights. A block is B rows through every query, output and MLP
+    product (K/V also read the new context rows, fc only those), and on some CPUs a B-row `F.linear` is several times
+    slower than the same product over MKL-packed weights: on a 2-core Intel Xeon (Ice Lake), fp32, the bundled SmolLM2
+    drafter's eager forward spent ~13 ms of its ~18 ms per block in input-major products. The layout is decided as the
+    compiled drafter graph's (`compiled.linear_layout_kind` at B rows: packed where fastest, float32 on a CPU only,
+    else weight-major where that pays, else input-major; timed once per drafter and process), and packed weights are
+    made for B rows (kept until `release_compiled_decoders()`); products over another row count go through `F.linear`
+    (or weight-major). `linear_layout="packed"` is not an eager layout (`spec_generate` says so)."""
+
+    def __init__(self, xpress, linear_layout: str = "auto"):
+        from .compiled import check_linear_layout, linear_weights
+
+        check_linear_layout(linear_layout)
+        self.linear_layout = linear_layout
+        self.rows = xpress.config.block_size
+        self.weights = linear_weights(xpress)
+        self._kind: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """"packed", "weight_major" or "input_major", decided on first use."""
+        if self._kind is None:
+            from .compiled import linear_layout_kind
+
+            self._kind = linear_layout_kind(self.linear_layout, self.weights, self.rows)
+        return self._kind
+
+    def __call__(self):
+        """The context to run one drafter forward in."""
+        from .compiled import linear_mode, pack_weights
+
+        if self.kind == "packed":
+            pack_weights(self.weights, self.rows)  # (a dictionary lookup per weight once they are packed)
+        return linear_mode(self.kind, 2 * self.rows)
+
+
 class XPressCandidateGenerator(CandidateGenerator):
     """transformers `CandidateGenerator` that drafts with the xPress drafter and refiner.
 
@@ -507,6 +547,7 @@ class XPressCandidateGenerator(CandidateGenerator):
         xpress.generation_stats = self.stats
         self.target = target
         self.layout = VerificationLayout(target)  # transformers verifies: its forward runs under `_arm_verification`
+        self.drafter_layout = DrafterLayout(xpress)
         self._hooks: list = []
         self._start = self.timer.mark()
         self._last_draft_end = None
@@ -552,6 +593,7 @@ class XPressCandidateGenerator(CandidateGenerator):
             timer=self.timer,
             draft_space=self.draft_space,
             positions=self.draft_rule.cap,
+            drafter_layout=self.drafter_layout,
         )
         self.context_len = anchor_pos
         length = draft_length(result, self.draft_rule.threshold, budget)
@@ -802,13 +844,24 @@ def spec_generate(
     only) fixes the static caches' length instead of the bucket of this call, so calls with prompts of any length up
     to it share one compiled state, as `generate(cache_implementation="static", max_cache_len=...)` does for plain
     decoding; it must hold the prompt, `max_new_tokens` and two blocks. `linear_layout`: how `F.linear` is computed
-    by the compiled graphs and by the eager loop's verification; "auto" (default) times `x @ W.T` against
+    by the compiled graphs and by the eager loop's verification and drafter (`DrafterLayout`); "auto" (default) times `x @ W.T` against
     `(W @ x.T).T` on the models' own weights at each row count once, on a CPU, and goes weight-major where that is at
     least 1.25× faster (on some CPU BLAS builds a few-row product is several times faster weight-major), and in the
     compiled graphs also times MKL-packed float32 weights (`compiled.PackedLinear`) and uses them where they are the
-    fastest; "input_major" / "weight_major" / "packed" (compile=True only) force one. (`generate(assistant_model=xpress)` verifies with "auto".) Returns `.sequences` (prompt included) and `.stats`; the stats are also left at `xpress.generation_stats`.
+    fastest (the eager loop: its drafter's); "input_major" / "weight_major" / "packed" (compile=True only) force one. (`generate(assistant_model=xpress)` uses "auto".) Returns `.sequences` (prompt included) and `.stats`; the stats are also left at `xpress.generation_stats`.
     """
     check_assistant_call(target, xpress, input_ids)
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be True or False, got {compile!r}")
+    from .compiled import check_linear_layout
+
+    check_linear_layout(linear_layout)
+    if linear_layout == "packed" and not compile:
+        raise ValueError(
+            "linear_layout='packed' (weights prepacked for MKL) is a layout of the compiled graphs: pass compile=True, "
+            "or use 'auto' (it packs the eager drafter's weights where that is fastest), 'input_major' or "
+            "'weight_major' with the eager loop."
+        )
     if isinstance(num_assistant_tokens, str):
         if num_assistant_tokens != "auto":
             raise ValueError(
@@ -829,16 +882,6 @@ def spec_generate(
     if stop_token_ids is None:
         stop_token_ids = target.generation_config.eos_token_id
     stop = stop_token_tensor(stop_token_ids, input_ids.device)
-    if not isinstance(compile, bool):
-        raise ValueError(f"compile must be True or False, got {compile!r}")
-    from .compiled import check_linear_layout
-
-    check_linear_layout(linear_layout)
-    if linear_layout == "packed" and not compile:
-        raise ValueError(
-            "linear_layout='packed' (weights prepacked for MKL) is a layout of the compiled graphs: pass compile=True, "
-            "or use 'auto', 'input_major' or 'weight_major' with the eager loop."
-        )
     if max_cache_len is not None and not compile:
         raise ValueError(
             "max_cache_len sizes the static caches of compile=True; the eager loop (compile=False) grows a dynamic "
@@ -861,6 +904,7 @@ def spec_generate(
     stats = XPressGenerationStats()
     xpress.generation_stats = stats
     layout = VerificationLayout(target, linear_layout)
+    drafter_layout = DrafterLayout(xpress, linear_layout)
     timer = SectionTimer(input_ids.device)
     start = timer.mark()
 
@@ -893,6 +937,7 @@ def spec_generate(
                 xpress, embed_tokens, lm_head, sequence[0, -1:], features.to(xpress.device), context_len, draft_cache,
                 logits_transform=transform, do_sample=do_sample, generator=generator, stats=stats, timer=timer,
                 draft_space=draft_space, positions=draft_rule.cap,  # the cap, not the budget: as compile=True draws
+                drafter_layout=drafter_layout,
             )  # fmt: skip
             context_len = anchor_pos
             length = draft_length(result, draft_rule.threshold, budget)
