@@ -651,3 +651,17 @@ def test_linear_layout_errors(drafters):
         xpress.spec_generate(target, ids, max_new_tokens=4, compile=True, linear_layout="transposed")
     with pytest.raises(ValueError, match="linear_layout must be one of"):
         xpress.spec_generate(target, ids, max_new_tokens=4, linear_layout="transposed")  # the eager loop checks too
+
+
+@needs_packing
+def test_inference_tensor_weights_pack():
+    """A weight made under torch.inference_mode (no version counter; the draft readout's rows cut there) packs and
+    multiplies like any other."""
+    with torch.inference_mode():
+        weight, x = torch.randn(24, 16), torch.randn(4, 16)
+        compiled.pack_weights([weight], 4)
+        with compiled.PackedLinear(max_rows=4):
+            out = torch.nn.functional.linear(x, weight)
+    assert (weight.data_ptr(), 4) in compiled._PACKS
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight))
+    compiled.release_packed_weights()

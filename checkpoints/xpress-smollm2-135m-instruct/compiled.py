@@ -238,6 +238,13 @@ def mkl_packing_available() -> bool:
     return _PACKING_WORKS[0]
 
 
+def _version(weight: torch.Tensor) -> int:
+    """The weight's in-place version counter. A tensor made under `torch.inference_mode` (a model loaded there, or the
+    draft readout's lm_head rows cut there) has none: it counts as never changed in place (-1), so its pack is made
+    again only for a new data pointer or shape."""
+    return -1 if weight.is_inference() else weight._version
+
+
 def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
 
@@ -251,8 +258,8 @@ def pack_weights(weights, rows: int) -> list[torch.Tensor]:
             kept = _PACKS.get((weight.data_ptr(), rows))
             if kept is None:
                 new.append(weight)
-            if kept is None or kept[1] != weight._version or kept[0].shape != weight.shape:
-                _PACKS[weight.data_ptr(), rows] = (weight, weight._version, _pack(weight, rows))
+            if kept is None or kept[1] != _version(weight) or kept[0].shape != weight.shape:
+                _PACKS[weight.data_ptr(), rows] = (weight, _version(weight), _pack(weight, rows))
     return new
 
 
@@ -271,8 +278,8 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     kept = _PACKS.get(key)
     if kept is None or kept[0].shape != weight.shape or kept[0].stride() != weight.stride():
         return F.linear(x, weight)
-    if kept[1] != weight._version:  # changed in place since it was packed
-        kept = _PACKS[key] = (kept[0], weight._version, _pack(weight, x.shape[0]))
+    if kept[1] != _version(weight):  # changed in place since it was packed
+        kept = _PACKS[key] = (kept[0], _version(weight), _pack(weight, x.shape[0]))
     return torch.ops.mkl._mkl_linear(x.contiguous(), kept[2], weight, None, x.shape[0])
 
 
