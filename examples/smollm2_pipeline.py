@@ -61,9 +61,12 @@ Recipes (each flag can still be set by hand after `--recipe`):
 * `v9-mined` — the v8 drafter continued as v8 continued v7, with the next 1,400 mined prompts (1600..2999, before
   the held-out 3000..3199; `make_training_data.py --kinds mined --n-prompts 3000 --first-prompt 1600 --out
   data/smollm2_mined_responses_1600-3000`) added; task folders first, so the held-out rows are still those that
-  selected v6-v8. Running: its drafter, in fp32 against the live target on an AVX2 CPU (`--precision float32
-  --signal-cache '' --stages drafter`, ~8 s a step), reached step 250 of 2,000 in its first session
-  (`checkpoints/training/smollm2-v9`; the same command resumes from that snapshot).
+  selected v6-v8. Its drafter ran in fp32 against the live target (`--precision float32 --signal-cache ''
+  --stages drafter`, 4-8 s a step on CPUs without native bf16) over three sessions, resumed from its snapshots, to
+  its 2,000 steps; the heads as v8's (`--drafter-from checkpoints/training/smollm2-v9/drafter --stages markov xpress
+  --head-train-rows 4000 --signal-cache cache/signals-smollm2-v9-heads4000`, bf16 on a CPU with AMX: 10 min of cache,
+  ~5 min per head). The bundled checkpoint (`checkpoints/training/smollm2-v9`: held-out decoded τ with the xPress
+  head +5% on mined prompts, level on task rows at 3 drafts; the evaluation level with v8).
 * `v8-wide` — the context lever alone: the v7 drafter (`drafter-best`) continued on v7's own data and schedule, now
   reading target layers 1, 10, 18 and 27 (dFlash's rule for a 4-layer drafter of a 30-layer target) instead of 1 and
   27; `read_more_target_layers` starts the new layers' `fc` columns at zero, so step 0 is v7's drafter exactly. Its

@@ -43,7 +43,7 @@ def test_acceptance_of_a_perfect_drafter_predicts_its_tau():
 
 
 def test_best_cap_on_known_costs():
-    s = [0.477, 0.203, 0.103, 0.050, 0.024]  # the bundled v8 checkpoint's held-out acceptance
+    s = [0.477, 0.203, 0.103, 0.050, 0.024]  # the v8 checkpoint's held-out acceptance (bundled before v9)
     assert best_cap(s, 0.008, [0.030] * 5) == 5  # the width costs nothing: verify everything the checkpoint measured
     assert best_cap(s, 0.008, [0.030 * (c + 1) for c in range(1, 6)]) == 1  # each token costs a full step: 1 draft
     assert best_cap([1.0, 0.0, 0.0], 0.0, [1.0, 1.0, 1.0]) == 1  # a tie: the shorter cap
