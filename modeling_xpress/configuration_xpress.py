@@ -165,9 +165,9 @@ class XPressConfig(PreTrainedConfig):
     refiner: str = "xpress"
     # Low-rank width r of the refiner / Markov head.
     refiner_rank: int = 256
-    # Maximum Jacobi iterations K per block. 0 → no refiner pass: the xPress head drafts the drafter's own marginals
-    # (exactly what refiner="none" drafts, same loop and same draft-length rule), so its contribution can be measured
-    # by switching it off.
+    # Maximum Jacobi iterations K per block. 0 → no refiner pass: the xPress (or Markov) head drafts the drafter's own
+    # marginals (exactly what refiner="none" drafts, same loop and same draft-length rule), so its contribution can be
+    # measured by switching it off. The Markov head's serial decode is the same for every K ≥ 1.
     jacobi_max_iters: int = 4
     # Stop a block's Jacobi iteration as soon as an iteration changes no token (the fixed point is reached; the
     # result is identical, only fewer iterations run).

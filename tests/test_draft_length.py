@@ -182,12 +182,13 @@ def test_sampling_with_a_threshold_is_lossless(target, monkeypatch):  # noqa: F8
     assert chi_square_pvalue(samples, exact_distribution(target, LogitsProcessorList())) > ALPHA
 
 
+@pytest.mark.parametrize("head", ["xpress", "markov"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_zero_jacobi_iterations_draft_the_drafters_own_marginals(temperature):
-    """refiner="xpress" with jacobi_max_iters=0 drafts what refiner="none" drafts from the same drafter weights:
-    same tokens, same q, same lengths under the same draft-length rule, 0 refiner passes."""
+def test_zero_jacobi_iterations_draft_the_drafters_own_marginals(temperature, head):
+    """A head (xPress, or Markov's serial decode) with jacobi_max_iters=0 drafts what refiner="none" drafts from the
+    same drafter weights: same tokens, same q, same lengths under the same draft-length rule, 0 refiner passes."""
     target = tiny_llama()
-    xpress = tiny_xpress(target, refiner="xpress", jacobi_max_iters=0, draft_confidence_threshold=0.3)
+    xpress = tiny_xpress(target, refiner=head, jacobi_max_iters=0, draft_confidence_threshold=0.3)
     plain = tiny_xpress(target, refiner="none", draft_confidence_threshold=0.3)
     drafter = {k: v for k, v in xpress.state_dict().items() if not k.startswith("refiner.")}
     plain.load_state_dict(drafter)
