@@ -129,8 +129,8 @@ class CorrectionHead(nn.Module):
       head adds δ = 0).
 
     `corrects` is False only for `NoHead` (plain dFlash): there is nothing to train and δ ≡ 0. `iterative` says whether
-    `max_iters` ≥ 1 / `early_exit` change the decode (the Jacobi K sweep applies); `max_iters=0` switches any
-    correcting head off (the drafter's own marginals). `decode_name` names the decode in benchmarks.
+    `max_iters` ≥ 1 / `early_exit` change the decode (the Jacobi K sweep applies); `max_iters=0` switches any head
+    off in `XPressModel.refine` (the drafter's own marginals). `decode_name` names the decode in benchmarks.
     """
 
     corrects: bool = True
@@ -298,11 +298,8 @@ class MarkovHead(CorrectionHead):
         return self.bias(previous)
 
     def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
-               max_iters, early_exit=True, token_ids=None):  # fmt: skip
-        """The serial decode: n dependent steps for any `max_iters` ≥ 1. `max_iters=0` switches the head off, as it
-        does xPress's: the drafter's own marginals, so the head's contribution is measured the same way for both."""
-        if max_iters == 0:
-            return plain_decode(base_logits, logits_transform=logits_transform, noise=noise, token_ids=token_ids)
+               max_iters=0, early_exit=True, token_ids=None):  # fmt: skip
+        """The serial decode: n dependent steps, whatever `max_iters` ≥ 1 says (`refine` never calls it with 0)."""
         return markov_decode(self, base_logits, anchor_ids, to_vocabulary=to_vocabulary,
                              logits_transform=logits_transform, noise=noise, token_ids=token_ids)  # fmt: skip
 
@@ -569,16 +566,21 @@ class XPressModel(XPressPreTrainedModel):
         blocking) needs the whole vocabulary. Tokens are target ids and logits (b, m, V) either way.
         """
         vocabulary, draft_space = self.decoding_vocabulary(base_logits)
-        result = self.refiner.decode(
-            hidden,
-            base_logits,
-            anchor_ids,
-            logits_transform=logits_transform,
-            noise=noise,
-            max_iters=self.config.jacobi_max_iters if max_iters is None else max_iters,
-            early_exit=self.config.jacobi_early_exit if early_exit is None else early_exit,
-            **vocabulary,
-        )
+        max_iters = self.config.jacobi_max_iters if max_iters is None else max_iters
+        if max_iters == 0:  # every head switched off the same way: the drafter's own marginals (refiner="none")
+            result = plain_decode(base_logits, logits_transform=logits_transform, noise=noise,
+                                  token_ids=vocabulary["token_ids"])  # fmt: skip
+        else:
+            result = self.refiner.decode(
+                hidden,
+                base_logits,
+                anchor_ids,
+                logits_transform=logits_transform,
+                noise=noise,
+                max_iters=max_iters,
+                early_exit=self.config.jacobi_early_exit if early_exit is None else early_exit,
+                **vocabulary,
+            )
         if draft_space:
             result.logits = self.to_vocabulary(result.logits, fill=float("-inf"))
         return result
