@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from modeling_xpress import XPressModel
-from modeling_xpress.assets import load_smollm2
-from modeling_xpress.signal_cache import load_signal_cache
+from modeling_xpress.bench.assets import load_smollm2
+from modeling_xpress.training.signal_cache import load_signal_cache
 from modeling_xpress.training import draft_blocks
 
 

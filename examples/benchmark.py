@@ -14,15 +14,9 @@ from datetime import datetime, timezone
 
 import torch
 
-from modeling_xpress.assets import DTYPES, load_smollm2
-from modeling_xpress.reports import DEFAULT_ENTRIES, ENTRIES
-from modeling_xpress.benchmark import (
-    BenchmarkSettings,
-    evaluation_prompt_sets,
-    load_methods,
-    run_benchmark,
-    write_results,
-)
+from modeling_xpress.bench.assets import DTYPES, load_smollm2
+from modeling_xpress.bench.benchmark import evaluation_prompt_sets, load_methods, run_benchmark, write_results
+from modeling_xpress.bench.settings import DEFAULT_ENTRIES, ENTRIES, BenchmarkSettings
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from modeling_xpress import XPressModel
-from modeling_xpress.assets import DTYPES
+from modeling_xpress.bench.assets import DTYPES
 from modeling_xpress.cards import render_model_card
 from modeling_xpress.draft_cap import acceptance_from_blocks
-from modeling_xpress.reports import card_rows, summarize
+from modeling_xpress.bench.reports import card_rows, summarize
 
 TARGET_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SIZE_LIMIT_MB = 50
@@ -80,9 +80,10 @@ def evaluation_summary(results: dict) -> str:
 def training_text(stages: dict) -> str:
     """`stages`: stage name → that stage's entry of a pipeline `training_summary.json` (command, steps, logs)."""
     lines = ["Trained on CPU with `examples/smollm2_pipeline.py` on responses written by the target itself (greedy) to "
-             "generated prompts (`modeling_xpress.prompts`), none from the evaluation sets; held-out prompts (general "
-             "set 7000..7199, task-shaped set 3000..3199) are never trained on, and 100 held-out rows are scored every "
-             "250 steps (the τ estimate: T=1, teacher forced, blocks anchored uniformly in the responses).",
+             "generated prompts (`modeling_xpress.training.prompts`), none from the evaluation sets; held-out prompts "
+             "(general set 7000..7199, task-shaped set 3000..3199) are never trained on, and 100 held-out rows are "
+             "scored every 250 steps (the τ estimate: T=1, teacher forced, blocks anchored uniformly in the "
+             "responses).",
              ""]  # fmt: skip
     lines += ["| stage | steps | train time (min) | held-out τ estimate (best) | command |", "|---|---|---|---|---|"]
     for stage, info in stages.items():

@@ -38,13 +38,14 @@ import torch
 from tqdm.auto import tqdm
 
 from modeling_xpress import XPressModel
-from modeling_xpress.assets import DTYPES, load_smollm2
-from modeling_xpress.benchmark import chat_prompt_ids, environment_info, method_info, run_plain
-from modeling_xpress.demo import BUNDLED_CHECKPOINT
+from modeling_xpress.bench.assets import DTYPES, load_smollm2
+from modeling_xpress.bench.benchmark import chat_prompt_ids, environment_info, method_info, run_plain
+from modeling_xpress.bench.demo import BUNDLED_CHECKPOINT
 from modeling_xpress.draft_cap import acceptance_from_blocks
-from modeling_xpress.generation import WallClock, spec_generate
-from modeling_xpress.prompts import GENERATORS
-from modeling_xpress.regeneration import held_out_indices, held_out_prompts
+from modeling_xpress.decoding import spec_generate
+from modeling_xpress.stats import WallClock
+from modeling_xpress.training.prompts import GENERATORS
+from modeling_xpress.training.regeneration import held_out_indices, held_out_prompts
 
 def settings_of(thresholds: list[float | None], caps: list[int], heads_off: list[float | None],
                 caps_heads_off: list[int] = ()) -> list[dict]:  # fmt: skip

@@ -2,8 +2,8 @@
 
     python examples/compiled_cpu_benchmark.py --threads 2 --prompts 6 --max-new-tokens 128
 
-Four decoders on the same chat prompts (held-out training-style prompts from `modeling_xpress.prompts`, never an
-evaluation set), in one run, interleaved per prompt so that load spikes hit them all:
+Four decoders on the same chat prompts (held-out training-style prompts from `modeling_xpress.training.prompts`,
+never an evaluation set), in one run, interleaved per prompt so that load spikes hit them all:
 
 * plain eager: `target.generate` (greedy);
 * plain compiled: `generate` with a static cache of one fixed length and transformers' `torch.compile`;
@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from modeling_xpress import XPressModel
-from modeling_xpress.assets import DTYPES, load_smollm2
-from modeling_xpress.benchmark import chat_prompt_ids, compiled_plain_kwargs
+from modeling_xpress.bench.assets import DTYPES, load_smollm2
+from modeling_xpress.bench.benchmark import chat_prompt_ids, compiled_plain_kwargs
 from modeling_xpress.compiled import cache_length
-from modeling_xpress.generation import spec_generate
-from modeling_xpress.regeneration import held_out_prompts
+from modeling_xpress.decoding import spec_generate
+from modeling_xpress.training.regeneration import held_out_prompts
 
 CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "xpress-smollm2-135m-instruct"
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"

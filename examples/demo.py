@@ -1,6 +1,6 @@
 """The main job: SmolLM2-135M-Instruct with the bundled xPress checkpoint, next to plain decoding, in one run.
 
-Fetches the target (`modeling_xpress.assets`, cached after the first run), loads the bundled checkpoint with
+Fetches the target (`modeling_xpress.bench.assets`, cached after the first run), loads the bundled checkpoint with
 `AutoModel.from_pretrained(..., trust_remote_code=True)` (the code inside the folder, as a Hub user would), greedy-
 decodes a few prompts with `target.generate` alone, with `assistant_model=xpress`, and with
 `xpress.spec_generate(target, ..., compile=True)` (static caches and `torch.compile`, compiled once before timing), and
@@ -11,11 +11,13 @@ measured in this run.
     python examples/demo.py --dtype bfloat16      # faster on CPUs with bf16 units; near-ties may flip (README)
     python examples/demo.py --constructed         # no download: a tiny constructed pair (see synthetic.py)
     python examples/demo.py --no-compile          # skip the compiled decoder (and its minute of compiling)
-    python examples/demo.py --num-assistant-tokens 0   # verify what the checkpoint config says (whole blocks)
+    python examples/demo.py --num-assistant-tokens 15  # whole blocks (the bundled checkpoint's block is 16)
+    python examples/demo.py --held-out 10 --kinds task --max-new-tokens 96   # held-out training prompts instead
 
-On a CPU the demo verifies the number of drafts per block that pays on this machine: the checkpoint's acceptance
-measured on held-out training prompts (`config.draft_acceptance`) against the verification's matrix products timed
-here (`xpress.choose_draft_cap(target)`, printed before decoding); `--num-assistant-tokens` overrides it.
+It calls both xPress decoders with their defaults: each verifies the number of drafts per block that pays on this
+machine, the checkpoint's acceptance measured on held-out training prompts (`config.draft_acceptance`) against the
+matrix products of its own loop timed here (`xpress.choose_draft_cap(target, compiled=...)`, printed before decoding);
+`--num-assistant-tokens` fixes it for both.
 """
 
 import argparse
@@ -24,24 +26,24 @@ from pathlib import Path
 import torch
 from transformers import AutoModel
 
-from modeling_xpress.assets import DTYPES
-from modeling_xpress.demo import BUNDLED_CHECKPOINT, DEMO_PROMPTS, compare_greedy, summary
+from modeling_xpress.bench.assets import DTYPES
+from modeling_xpress.bench.demo import BUNDLED_CHECKPOINT, DEMO_PROMPTS, compare_greedy, summary
 
 
-def smollm2_pair(dtype: torch.dtype, checkpoint: str):
-    from modeling_xpress.assets import load_smollm2
-    from modeling_xpress.benchmark import chat_prompt_ids
+def smollm2_pair(dtype: torch.dtype, checkpoint: str, texts: list[str]):
+    from modeling_xpress.bench.assets import load_smollm2
+    from modeling_xpress.bench.benchmark import chat_prompt_ids
 
     if not (Path(checkpoint) / "config.json").is_file():
         raise SystemExit(f"no xPress checkpoint at {checkpoint}: pass --checkpoint <folder>, or run from a full clone "
                          "of the repository (the bundled one lives in checkpoints/)")  # fmt: skip
     target, tokenizer = load_smollm2(dtype=dtype)
     xpress = AutoModel.from_pretrained(checkpoint, trust_remote_code=True, dtype=dtype).eval()
-    return target, xpress, tokenizer, chat_prompt_ids(tokenizer, DEMO_PROMPTS)
+    return target, xpress, tokenizer, chat_prompt_ids(tokenizer, texts)
 
 
 def constructed_pair(n_prompts: int):
-    from modeling_xpress.synthetic import constructed_permutation_pair
+    from modeling_xpress.training.synthetic import constructed_permutation_pair
 
     torch.manual_seed(0)
     target, xpress = constructed_permutation_pair()
@@ -58,37 +60,44 @@ def main() -> None:
                         help="skip the third decoder, xpress.spec_generate(target, ..., compile=True) (static caches "
                         "and torch.compile; it compiles once, about a minute on a CPU, before anything is timed)")
     parser.add_argument("--num-assistant-tokens", type=int, default=None,
-                        help="drafts verified per block by both xPress decoders; 0: the checkpoint config's "
-                        "(default on a CPU: chosen on this machine, xpress.choose_draft_cap)")
+                        help="drafts verified per block by both xPress decoders (default: each decoder's default, "
+                        "chosen on this machine from the checkpoint's draft_acceptance)")
+    parser.add_argument("--held-out", type=int, default=None, metavar="N",
+                        help="decode the first N held-out training prompts (never trained on) instead of the demo's")
+    parser.add_argument("--kinds", choices=("default", "task", "mined"), default="task",
+                        help="which training prompt set --held-out reads (default: task)")
     parser.add_argument("--constructed", action="store_true",
                         help="the offline example: a tiny target with a constructed (not trained) head")  # fmt: skip
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
+    texts = DEMO_PROMPTS
+    if args.held_out:
+        from modeling_xpress.training.prompts import GENERATORS
+        from modeling_xpress.training.regeneration import held_out_prompts
+
+        texts = held_out_prompts(args.held_out, kinds=GENERATORS[args.kinds])
     if args.constructed:
         target, xpress, tokenizer, prompts = constructed_pair(n_prompts=4)
     else:
-        target, xpress, tokenizer, prompts = smollm2_pair(DTYPES[args.dtype], args.checkpoint)
-    cap, source = args.num_assistant_tokens, "--num-assistant-tokens"
-    measured = getattr(xpress.config, "draft_acceptance", None) is not None  # else: the config's cap
-    if cap is None and not args.constructed and target.device.type == "cpu" and measured:
-        choice = xpress.choose_draft_cap(target, compiled=not args.no_compile)
-        print(f"drafts per block on this machine (the checkpoint's held-out acceptance against the verification's "
-              f"products timed here, {args.dtype}):\n{choice.table()}")  # fmt: skip
-        cap, source = choice.cap, "chosen on this machine"
-    cap = cap or None  # 0: the config's
-    if cap is None:
-        cap_config = getattr(xpress.config, "num_assistant_tokens", None)
-        source = "the checkpoint config" if cap_config else "the whole block: the checkpoint config sets no cap"
-    print(f"drafts verified per block: at most {cap or cap_config or xpress.config.block_size - 1} ({source})")
+        target, xpress, tokenizer, prompts = smollm2_pair(DTYPES[args.dtype], args.checkpoint, texts)
+    cap = args.num_assistant_tokens
+    if cap is None and getattr(xpress.config, "draft_acceptance", None) is not None:
+        for compiled in (False, *([] if args.no_compile else [True])):
+            choice = xpress.choose_draft_cap(target, compiled=compiled)
+            entry = "spec_generate(compile=True)" if compiled else "generate(assistant_model=xpress)"
+            print(f"drafts per block for {entry}, chosen on this machine (the checkpoint's held-out acceptance "
+                  f"against its loop's products timed here, {args.dtype}):\n{choice.table()}\n")  # fmt: skip
+    elif cap is None:
+        print(f"drafts verified per block: {xpress.config.num_assistant_tokens or 'the whole block'} (the config's)")
     if not args.no_compile:
         print("compiling xpress.spec_generate(compile=True) once for these prompts (not timed) ...", flush=True)
     rows = compare_greedy(target, xpress, prompts, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer,
                           compiled=not args.no_compile, num_assistant_tokens=cap)  # fmt: skip
     for i, row in enumerate(rows):
         if row.text is not None:
-            print(f"--- prompt {i}: {DEMO_PROMPTS[i]}\n{row.text.strip()}\n")
+            print(f"--- prompt {i}: {texts[i]}\n{row.text.strip()}\n")
         print(f"prompt {i}: {row.new_tokens} new tokens; generate(assistant_model=xpress): identical to the target's "
               f"greedy output {row.identical}, tau {row.mean_tau:.2f}, speed vs plain {row.speedup:.2f}x")  # fmt: skip
         if row.compiled_seconds is not None:

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from modeling_xpress import XPressModel
-from modeling_xpress.assets import DTYPES, load_smollm2
-from modeling_xpress.benchmark import chat_prompt_ids, environment_info
-from modeling_xpress.demo import BUNDLED_CHECKPOINT
-from modeling_xpress.regeneration import held_out_prompts, load_responses
+from modeling_xpress.bench.assets import DTYPES, load_smollm2
+from modeling_xpress.bench.benchmark import chat_prompt_ids, environment_info
+from modeling_xpress.bench.demo import BUNDLED_CHECKPOINT
+from modeling_xpress.training.regeneration import held_out_prompts, load_responses
 from modeling_xpress.training import frequency_ranked_vocabulary, with_draft_vocabulary
 
 

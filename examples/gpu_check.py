@@ -28,9 +28,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from modeling_xpress import XPressConfig, XPressModel
-from modeling_xpress.benchmark import compiled_plain_kwargs
+from modeling_xpress.bench.benchmark import compiled_plain_kwargs
 from modeling_xpress.compiled import jacobi_fixed_iterations
-from modeling_xpress.generation import WallClock, median_seconds, spec_generate
+from modeling_xpress.decoding import spec_generate
+from modeling_xpress.stats import WallClock, median_seconds
 
 SHAPES = {
     # Qwen3-8B target; 5-layer block-16 drafter with a rank-256 xPress head

@@ -12,7 +12,7 @@
 On a 2-core CPU this takes the better part of an hour, so run it in the background. Finished shards
 are kept in --shard-dir; rerunning the same command resumes where it stopped. The result is
 <out>/responses.parquet (columns input_ids, loss_mask) and <out>/meta.json (counts, token totals,
-timings and settings); read it with `modeling_xpress.regeneration.load_responses(out)`.
+timings and settings); read it with `modeling_xpress.training.regeneration.load_responses(out)`.
 """
 
 import argparse
@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from modeling_xpress import assets
-from modeling_xpress.prompts import GENERATORS, mined_corpus_version, training_prompts
-from modeling_xpress.regeneration import SHARD_MANIFEST, regenerate_responses
+from modeling_xpress.bench import assets
+from modeling_xpress.training.mined_prompts import mined_corpus_version
+from modeling_xpress.training.prompts import GENERATORS, training_prompts
+from modeling_xpress.training.regeneration import SHARD_MANIFEST, regenerate_responses
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,9 +40,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt generator (and of sampling)")
     parser.add_argument("--kinds", choices=sorted(GENERATORS), default="default",
                         help="default: code, math and chat prompts; task: function stubs, role play, extraction, "
-                        "reasoning puzzles and essays (modeling_xpress.prompts.TASK_KINDS; prompts 3000..3199 held "
-                        "out); mined: the standard library's documented functions as stubs to complete or code to "
-                        "explain, its documentation as passages (MINED_KINDS; prompts 3000..3199 held out)")
+                        "reasoning puzzles and essays (modeling_xpress.training.prompts.TASK_KINDS; prompts "
+                        "3000..3199 held out); mined: the standard library's documented functions as stubs to "
+                        "complete or code to explain, its documentation as passages (MINED_KINDS; prompts 3000..3199 "
+                        "held out)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--shard-size", type=int, default=64)
@@ -114,8 +116,8 @@ def main() -> None:
                       f"dequantised by transformers",
             "dtype": args.dtype,
         },
-        "prompts": {"generator": "modeling_xpress.prompts.training_prompts", "n": len(prompts), "seed": args.seed,
-                    "indices": [args.first_prompt, args.n_prompts], "kinds": list(kinds)}
+        "prompts": {"generator": "modeling_xpress.training.prompts.training_prompts", "n": len(prompts),
+                    "seed": args.seed, "indices": [args.first_prompt, args.n_prompts], "kinds": list(kinds)}
                    | ({"mined_from": f"the standard library of {mined_corpus_version()}"} if args.kinds == "mined"
                       else {}),
         "generation": {

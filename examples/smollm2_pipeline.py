@@ -3,7 +3,7 @@
 Stages (each a run of examples/train_refiner.py, so every stage is also reproducible by hand):
 
 1. ``drafter``  — a drafter trained with dFlash's own objective (``--refiner none``), from random weights or, with
-   ``--drafter-init target``, from the target's last layers (``modeling_xpress.target_init``);
+   ``--drafter-init target``, from the target's last layers (``modeling_xpress.training.target_init``);
 2. from those same weights, three continuations with an equal step budget:
    ``dflash`` (no head: the baseline), ``markov`` (DSpark's Markov head), ``xpress`` (the causal refiner).
 
@@ -95,8 +95,8 @@ import sys
 import time
 from pathlib import Path
 
-from modeling_xpress.assets import DTYPES, smollm2_dir
-from modeling_xpress.plots import plot_training_curves
+from modeling_xpress.bench.assets import DTYPES, smollm2_dir
+from modeling_xpress.bench.plots import plot_training_curves
 from modeling_xpress.training import snapshot_checkpoint
 
 HEADS = ("dflash", "markov", "xpress")

@@ -10,8 +10,8 @@ start torchrun-style processes, and they train on CPU with gloo):
 
     accelerate launch --num_processes 2 examples/train_refiner.py ...
 
-A drafter whose layers start as the target's last ones instead of random weights (`modeling_xpress.target_init`;
-Llama, Mistral and Qwen3 targets):
+A drafter whose layers start as the target's last ones instead of random weights
+(`modeling_xpress.training.target_init`; Llama, Mistral and Qwen3 targets):
 
     python examples/train_refiner.py --target path/to/target --init_from_target_layers last --num_draft_layers 2 \
         --refiner none --data responses.parquet --output_dir runs/drafter --max_steps 2000 --bf16
@@ -49,10 +49,10 @@ from transformers import (
 )
 
 from modeling_xpress import XPressConfig, XPressModel
-from modeling_xpress.assets import DTYPES
-from modeling_xpress.regeneration import load_response_sets
-from modeling_xpress.signal_cache import cache_target_signals
-from modeling_xpress.target_init import init_drafter_from_target, read_more_target_layers
+from modeling_xpress.bench.assets import DTYPES
+from modeling_xpress.training.regeneration import load_response_sets
+from modeling_xpress.training.signal_cache import cache_target_signals
+from modeling_xpress.training.target_init import init_drafter_from_target, read_more_target_layers
 from modeling_xpress.training import (
     XPressTrainer,
     XPressTrainingArguments,
@@ -78,13 +78,13 @@ class ScriptArguments:
         default="",
         metadata={"help": "Fresh drafter only: start its layers from the target's instead of random weights, 'last' "
                   "(the target's last --num_draft_layers layers) or comma-separated layer indices, e.g. '14,29' "
-                  "(modeling_xpress.target_init). Not with --init_from."},
+                  "(modeling_xpress.training.target_init). Not with --init_from."},
     )
     data: str = field(
         default="",
         metadata={"help": "Training data: a `datasets` folder (save_to_disk), a .parquet file, a response shard folder, "
                   "or comma-separated folders of examples/make_training_data.py (joined by prompt index; the held-out "
-                  "prompts, modeling_xpress.regeneration.HELD_OUT_PROMPTS, are kept out of training)."},
+                  "prompts, modeling_xpress.training.regeneration.HELD_OUT_PROMPTS, are kept out of training)."},
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training rows."})
     train_rows_seed: int | None = field(
@@ -124,7 +124,8 @@ class ScriptArguments:
                   "dFlash's rule for --num_draft_layers). A signal cache holds the features of one such list, so a "
                   "deeper drafter can reuse a shallower one's cache by passing that cache's layers. With an xPress "
                   "--init_from: the layers it reads now plus more, e.g. '1,10,18,27' for one reading '1,27' "
-                  "(modeling_xpress.target_init.read_more_target_layers: the same function at the first step)."},
+                  "(modeling_xpress.training.target_init.read_more_target_layers: the same function at the first "
+                  "step)."},
     )
     draft_intermediate_size: int | None = field(default=None, metadata={"help": "Fresh drafter: MLP width (default: target's)."})
     mask_token_id: int | None = field(default=None, metadata={"help": "Fresh drafter: mask token id (default: learned vector)."})
@@ -133,8 +134,8 @@ class ScriptArguments:
     )
     signal_cache: str = field(
         default="",
-        metadata={"help": "Folder of the target's cached signals (modeling_xpress.signal_cache): written once from "
-                  "--data (an unfinished one is resumed), then training runs no target forward."},
+        metadata={"help": "Folder of the target's cached signals (modeling_xpress.training.signal_cache): written "
+                  "once from --data (an unfinished one is resumed), then training runs no target forward."},
     )
     signal_cache_top_k: int = field(default=64, metadata={"help": "Top-k probabilities of p^t kept per position."})
     signal_cache_dtype: str = field(default="bfloat16", metadata={"help": "Dtype of the cached features."})
@@ -183,7 +184,9 @@ def load_data(args: ScriptArguments, target, seed: int) -> tuple[datasets.Datase
     held_out = None
     if not args.data:
         if args.target != TINY_RANDOM:
-            raise ValueError("--data is required (regenerate responses with modeling_xpress.regeneration first)")
+            raise ValueError(
+                "--data is required (regenerate responses with modeling_xpress.training.regeneration first)"
+            )
         data = synthetic_responses(target, seed=seed)
     elif "," in args.data:
         data, held_out = load_response_sets([part for part in args.data.split(",") if part])
@@ -195,7 +198,7 @@ def load_data(args: ScriptArguments, target, seed: int) -> tuple[datasets.Datase
         elif path.suffix == ".parquet":
             data = datasets.Dataset.from_parquet(str(path))
         else:  # a shard folder written by regenerate_responses
-            from modeling_xpress.regeneration import load_responses
+            from modeling_xpress.training.regeneration import load_responses
 
             data = load_responses(path)
     missing = {"input_ids", "loss_mask"} - set(data.column_names)

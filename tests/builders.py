@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from modeling_xpress import XPressConfig, XPressModel
-from modeling_xpress.synthetic import (  # noqa: F401 (re-exported)
+from modeling_xpress.training.synthetic import (  # noqa: F401 (re-exported)
     markov_target, oracle_drafter, perfect_head, permutation_target,
 )  # fmt: skip
 

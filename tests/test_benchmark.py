@@ -12,12 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-import modeling_xpress.benchmark as bench
-from modeling_xpress import reports
-from modeling_xpress.benchmark import BenchmarkSettings, PromptSet, run_benchmark, write_results
+import modeling_xpress.bench.benchmark as bench
+from modeling_xpress.bench import reports
+from modeling_xpress.bench.benchmark import PromptSet, run_benchmark, write_results
+from modeling_xpress.bench.reports import summarize
+from modeling_xpress.bench.settings import (
+    ADAPTIVE_SETTING,
+    COMPILED_PLAIN,
+    COMPILED_SPEC,
+    DEFAULT_ENTRIES,
+    BenchmarkSettings,
+)
 from modeling_xpress.cards import render_model_card
-from modeling_xpress.reports import summarize
-from modeling_xpress.synthetic import constructed_permutation_pair
+from modeling_xpress.training.synthetic import constructed_permutation_pair
 from tests.builders import perfect_head, permutation_target, tiny_llama, tiny_tokenizer, tiny_xpress
 
 BLOCK = 8
@@ -76,7 +83,7 @@ def test_tau_equals_known_block_size_on_perfect_pair(perfect_run):
             (row,) = rows(summary, "tau", method=method, dataset=dataset, temperature=0.0)
             assert row["tau"] == BLOCK  # exactly: every verification commits a whole block
             assert row["verifications"] == STEPS * (2 if dataset == "a" else 1 if dataset == "b" else 3)
-        for entry in reports.DEFAULT_ENTRIES:  # both entry points see the same τ
+        for entry in DEFAULT_ENTRIES:  # both entry points see the same τ
             (row,) = rows(summary, "throughput", method=method, entry=entry, dataset=reports.ALL, temperature=0.0)
             assert row["tau"] == BLOCK
     (none,) = rows(summary, "tau", method="dflash", dataset=reports.ALL, temperature=0.0)
@@ -85,7 +92,7 @@ def test_tau_equals_known_block_size_on_perfect_pair(perfect_run):
 
 def test_k_sweep_reaches_adaptive_tau_once_k_covers_the_block(perfect_run):
     summary = perfect_run["summary"]
-    (adaptive,) = rows(summary, "sweep", method="xpress", dataset=reports.ALL, setting=reports.ADAPTIVE_SETTING)
+    (adaptive,) = rows(summary, "sweep", method="xpress", dataset=reports.ALL, setting=ADAPTIVE_SETTING)
     assert adaptive["tau"] == BLOCK
     for k in (7, 8):  # K ≥ n = block_size - 1 reaches the sequential decode (Theorem 1)
         (row,) = rows(summary, "sweep", method="xpress", dataset=reports.ALL, setting=f"K={k}")
@@ -129,10 +136,9 @@ def test_auto_draft_cap_is_each_methods_own_choice(monkeypatch):
     """num_assistant_tokens="auto": each method verifies the cap its own draft_acceptance picks on this machine (the
     products' timing made equal here, so E(c) alone decides: the longest measured cap), the choices are stored, and
     each config's own cap is back afterwards."""
-    import modeling_xpress.draft_cap as draft_cap
+    from modeling_xpress.cpu_layouts import CpuLinearPolicy
 
-    monkeypatch.setattr(draft_cap, "products_seconds", lambda jobs, repeats=5: [1e-3] * len(jobs))
-    monkeypatch.setattr(draft_cap, "_CHOICES", {})
+    monkeypatch.setattr(CpuLinearPolicy, "products_seconds", lambda self, jobs, repeats=5: [1e-3] * len(jobs))
     target, methods = perfect_methods()
     acceptance = {"dflash": [0.5], "markov": [0.9, 0.8], "xpress": [1.0, 1.0, 1.0]}
     for name, model in methods.items():
@@ -190,7 +196,7 @@ def test_greedy_identity_count_sees_a_mismatch(monkeypatch):
     results = run_benchmark(target, methods, {"a": [[5, 9], [1, 2, 3], [4]]}, settings, progress=False)
     counts = {(r["method"], r["entry"]): (r["identical"], r["prompts"])
               for r in results["summary"]["identity"] if r["dataset"] == "a"}  # fmt: skip
-    assert counts == {(m, e): (2, 3) for m in methods for e in reports.DEFAULT_ENTRIES}
+    assert counts == {(m, e): (2, 3) for m in methods for e in DEFAULT_ENTRIES}
 
 
 def test_latency_covers_every_k_and_the_serial_markov_decode(perfect_run):
@@ -250,12 +256,12 @@ def test_compiled_plain_baseline_is_compiled_once_exact_and_a_ratio_of_its_own(r
     results, _, methods = random_run
     warm = results["warm_up"]
     assert warm["compiled_plain_first_call_s"] > 5 * warm["compiled_plain_second_call_s"]
-    (compiled,) = rows(results["summary"], "identity", entry=reports.COMPILED_PLAIN, dataset=reports.ALL)
+    (compiled,) = rows(results["summary"], "identity", entry=COMPILED_PLAIN, dataset=reports.ALL)
     assert compiled["identical"] == compiled["prompts"] == 4
     for row in rows(results["summary"], "throughput", dataset=reports.ALL):
         assert row["compiled_plain_tokens_per_s"] > 0
         assert row["speedup_vs_compiled"] == pytest.approx(row["tokens_per_s"] / row["compiled_plain_tokens_per_s"])
-    (baseline,) = rows(results["summary"], "throughput", entry=reports.COMPILED_PLAIN, dataset=reports.ALL,
+    (baseline,) = rows(results["summary"], "throughput", entry=COMPILED_PLAIN, dataset=reports.ALL,
                        temperature=0.0)  # fmt: skip
     assert baseline["speedup_vs_compiled"] == pytest.approx(1.0)
 
@@ -266,7 +272,7 @@ def test_entries_need_a_spec_generate_entry():
         with pytest.raises(ValueError, match="entries"):
             BenchmarkSettings(entries=entries)
     # The compiled entry alone gives τ too, but the K sweep needs the eager loop.
-    alone = (reports.COMPILED_SPEC,)
+    alone = (COMPILED_SPEC,)
     assert BenchmarkSettings(entries=alone, k_values=(), adaptive=False).entries == alone
     with pytest.raises(ValueError, match="K sweep runs through spec_generate"):
         BenchmarkSettings(entries=alone)
@@ -280,24 +286,24 @@ def test_compiled_speculative_entry_is_compiled_in_the_warm_up_and_matches_spec_
     methods = {"xpress": methods["xpress"], "dflash": methods["dflash"]}
     settings = BenchmarkSettings(max_new_tokens=MAX_NEW, temperatures=(0.0, 1.0), k_values=(), adaptive=False,
                                  latency_blocks=1, latency_repeats=1, compiled_plain=False,
-                                 entries=("spec_generate", reports.COMPILED_SPEC))  # fmt: skip
+                                 entries=("spec_generate", COMPILED_SPEC))  # fmt: skip
     results = run_benchmark(target, methods, {"a": [[5, 9], [1, 2, 3]], "b": [[7]]}, settings, progress=False)
     assert set(results["warm_up"]["spec_compiled_compile_s"]) == set(methods)
-    compiled = [r for r in results["records"] if r["entry"] == reports.COMPILED_SPEC]
+    compiled = [r for r in results["records"] if r["entry"] == COMPILED_SPEC]
     assert len(compiled) == 2 * 2 * 3 and all(r["stats"]["time_compile"] == 0 for r in compiled)
     summary = results["summary"]
     for method in methods:
         for temperature in (0.0, 1.0):
             (spec,) = rows(summary, "throughput", method=method, entry="spec_generate", dataset=reports.ALL,
                            temperature=temperature)  # fmt: skip
-            (comp,) = rows(summary, "throughput", method=method, entry=reports.COMPILED_SPEC, dataset=reports.ALL,
+            (comp,) = rows(summary, "throughput", method=method, entry=COMPILED_SPEC, dataset=reports.ALL,
                            temperature=temperature)  # fmt: skip
             assert comp["tau"] == spec["tau"] and comp["prompts"] == 3
-    identity = rows(summary, "identity", entry=reports.COMPILED_SPEC, dataset=reports.ALL)
+    identity = rows(summary, "identity", entry=COMPILED_SPEC, dataset=reports.ALL)
     assert len(identity) == 2 and all(r["identical"] == r["prompts"] == 3 for r in identity)
     (card,) = [r for r in reports.card_rows(summary) if r["method"] == "xpress" and r["dataset"] == reports.ALL
                and r["temperature"] == 0.0]  # fmt: skip
-    (comp,) = rows(summary, "throughput", method="xpress", entry=reports.COMPILED_SPEC, dataset=reports.ALL,
+    (comp,) = rows(summary, "throughput", method="xpress", entry=COMPILED_SPEC, dataset=reports.ALL,
                    temperature=0.0)  # fmt: skip
     assert card["speedup_spec_generate_compiled"] == comp["speedup"]
 
@@ -315,7 +321,7 @@ def test_speed_rows_and_breakdown_are_complete(random_run):
     results, _, methods = random_run
     summary = results["summary"]
     for method in methods:
-        for entry in reports.DEFAULT_ENTRIES:
+        for entry in DEFAULT_ENTRIES:
             for temperature in (0.0, 1.0):
                 (row,) = rows(summary, "throughput", method=method, entry=entry, dataset=reports.ALL,
                               temperature=temperature)  # fmt: skip
@@ -425,18 +431,20 @@ def small_results() -> dict:
 
 def test_reports_summarize_and_render_without_torch():
     """`reports` is a pure function of the saved results: it imports and renders in a process where torch cannot be
-    imported (loaded from its file, since the package's __init__ needs torch)."""
+    imported (with `settings`, the labels it reads: their folder loaded as a package of its own, since the package's
+    __init__ needs torch)."""
     code = """
-import importlib.util, json, sys
+import json, sys, types
 sys.modules["torch"] = None  # `import torch` now raises
-spec = importlib.util.spec_from_file_location("reports", sys.argv[1])
-reports = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(reports)
+bench = types.ModuleType("bench")
+bench.__path__ = [sys.argv[1]]
+sys.modules["bench"] = bench
+from bench import reports
 results = json.loads(sys.stdin.read())
 results["summary"] = reports.summarize(results)
 print(json.dumps({"markdown": reports.markdown_report(results), "cards": reports.card_rows(results["summary"])}))
 """
-    path = ROOT / "modeling_xpress" / "reports.py"
+    path = ROOT / "modeling_xpress" / "bench"
     done = subprocess.run([sys.executable, "-c", code, str(path)], input=json.dumps(small_results()),
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -459,7 +467,7 @@ print(json.dumps({"markdown": reports.markdown_report(results), "cards": reports
 
 
 def test_training_curves_plot(tmp_path):
-    from modeling_xpress.plots import plot_training_curves
+    from modeling_xpress.bench.plots import plot_training_curves
 
     history = [{"step": 5, "loss": 3.0, "tau_estimate": 1.1}, {"step": 10, "loss": 2.5, "tau_estimate": 1.2},
                {"step": 10, "eval_loss": 2.7, "eval_tau_estimate": 1.15}]  # fmt: skip
@@ -474,7 +482,7 @@ def test_tau_of_a_temperature_measured_only_compiled_comes_from_the_compiled_ent
     results = small_results()
     t0 = results["records"]
     compiled_stats = {**t0[3]["stats"], "acceptance_lengths": [5, 3], "mean_tau": 4.0}
-    twin = {**t0[3], "entry": reports.COMPILED_SPEC, "seconds": 0.4, "stats": compiled_stats}
+    twin = {**t0[3], "entry": COMPILED_SPEC, "seconds": 0.4, "stats": compiled_stats}
     t1 = [{**r, "temperature": 1.0, "identical_to_plain": None} for r in t0[:2]]
     t1.append({**twin, "temperature": 1.0, "identical_to_plain": None, "stats": {**compiled_stats,
                "acceptance_lengths": [2, 2]}})  # fmt: skip

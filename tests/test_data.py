@@ -14,9 +14,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from modeling_xpress import assets
-from modeling_xpress.prompts import MINED_KINDS, PROMPT_KINDS, TASK_KINDS, training_prompts
-from modeling_xpress.regeneration import load_response_sets, load_responses, regenerate_responses
+from modeling_xpress.bench import assets
+from modeling_xpress.training.prompts import MINED_KINDS, PROMPT_KINDS, TASK_KINDS, training_prompts
+from modeling_xpress.training.regeneration import load_response_sets, load_responses, regenerate_responses
 
 PAD, EOS = 0, 1
 MAX_NEW = 12
@@ -245,7 +245,7 @@ def write_response_set(folder, first: int, end: int, with_indices: bool = True, 
 def test_task_shaped_sets_join_apart_from_the_default_prompts_and_keep_their_own_held_out_rows(tmp_path):
     """Both generators number prompts from 0: a task-shaped set's indices are offset in a joined set, and its
     held-out prompts (TASK_HELD_OUT_PROMPTS) are held out by default, as are the default generator's."""
-    from modeling_xpress.regeneration import (
+    from modeling_xpress.training.regeneration import (
         HELD_OUT_PROMPTS, TASK_HELD_OUT_PROMPTS, TASK_INDEX_OFFSET, held_out_prompts,
     )  # fmt: skip
 
@@ -277,7 +277,7 @@ def test_task_shaped_prompts_are_deterministic_diverse_and_not_evaluation_data()
     # the stubs' docstring examples are right: run as doctests against the function each stub describes
     import doctest
 
-    from modeling_xpress.prompts import _STUBS
+    from modeling_xpress.training.task_prompts import _STUBS
 
     functions = {name: implementation for name, *_, implementation, _ in _STUBS}
     runner, parser = doctest.DocTestRunner(verbose=False), doctest.DocTestParser()
@@ -295,7 +295,7 @@ def test_mined_prompts_come_from_the_standard_library_and_keep_their_own_held_ou
     evaluation prompt; their held-out rows (MINED_HELD_OUT_PROMPTS) stay out of a joined training set."""
     import ast
 
-    from modeling_xpress.regeneration import MINED_HELD_OUT_PROMPTS, MINED_INDEX_OFFSET, held_out_prompts
+    from modeling_xpress.training.regeneration import MINED_HELD_OUT_PROMPTS, MINED_INDEX_OFFSET, held_out_prompts
 
     prompts = training_prompts(900, kinds=MINED_KINDS)
     assert len(set(prompts["prompt"])) == 900 and prompts["kind"][:3] == list(MINED_KINDS)

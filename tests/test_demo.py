@@ -1,11 +1,11 @@
-"""`make demo`'s measurement (`modeling_xpress.demo`): the three decoders it compares give the target's greedy output,
-and the summary reports what the rows hold."""
+"""`make demo`'s measurement (`modeling_xpress.bench.demo`): the three decoders it compares give the target's greedy
+output, and the summary reports what the rows hold."""
 
 import pytest
 import torch
 
-from modeling_xpress.demo import compare_greedy, summary
-from modeling_xpress.synthetic import constructed_permutation_pair
+from modeling_xpress.bench.demo import compare_greedy, summary
+from modeling_xpress.training.synthetic import constructed_permutation_pair
 
 
 def test_compare_greedy_with_the_compiled_decoder_is_exact_and_summarised():

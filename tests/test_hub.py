@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import modeling_xpress.custom_generate.generate as recipe_module
 from modeling_xpress import XPressModel
-from modeling_xpress.demo import BUNDLED_CHECKPOINT
+from modeling_xpress.bench.demo import BUNDLED_CHECKPOINT
 from modeling_xpress.hub_files import RECIPE
 from tests.builders import tiny_llama, tiny_xpress
 

@@ -1,6 +1,7 @@
-"""The target's training signals cached once (issue 10 item 2, `modeling_xpress.signal_cache`): the cache gives the
-objective what the live target gives it (CE exactly, L1 within the tail bound), a Trainer trains from it without a
-single target forward and resumes bitwise, and the writer resumes its shards and refuses another run's folder."""
+"""The target's training signals cached once (issue 10 item 2, `modeling_xpress.training.signal_cache`): the cache
+gives the objective what the live target gives it (CE exactly, L1 within the tail bound), a Trainer trains from it
+without a single target forward and resumes bitwise, and the writer resumes its shards and refuses another run's
+folder."""
 
 import math
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from transformers.utils import logging as hf_logging
 
-from modeling_xpress.signal_cache import (
+from modeling_xpress.training.signal_cache import (
     SignalCacheCollator,
     cache_target_signals,
     load_signal_cache,

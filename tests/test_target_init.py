@@ -1,4 +1,5 @@
-"""A drafter that starts from its target (`modeling_xpress.target_init`) and the `qk_norm` switch it needs for Llama.
+"""A drafter that starts from its target (`modeling_xpress.training.target_init`) and the `qk_norm` switch it needs
+for Llama.
 
 The core claim: a copied layer computes exactly what it computed in the target, given the same inputs, the same RoPE
 and the same causal mask — first asserted not to hold before copying, so the test cannot pass on a no-op.
@@ -10,7 +11,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from modeling_xpress import XPressConfig, XPressModel
-from modeling_xpress.target_init import (
+from modeling_xpress.training.target_init import (
     context_slot, drafter_from_target, init_drafter_from_target, read_more_target_layers,
 )  # fmt: skip
 from tests.builders import tiny_llama, tiny_qwen3

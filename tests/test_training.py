@@ -17,7 +17,6 @@ from transformers.utils import logging as hf_logging
 
 from modeling_xpress import XPressModel
 from modeling_xpress.training import (
-    LORA_CHECKPOINT_DIR,
     XPressDataCollator,
     XPressObjective,
     XPressTrainer,
@@ -28,6 +27,7 @@ from modeling_xpress.training import (
     draft_blocks,
     position_weights,
 )
+from modeling_xpress.training.trainer import LORA_CHECKPOINT_DIR
 from tests.builders import branching_chain, markov_responses, markov_target, tiny_llama, tiny_qwen3, tiny_xpress
 
 hf_logging.set_verbosity_error()
@@ -202,7 +202,7 @@ def test_training_blocks_equal_the_blocks_drafted_at_decode_time():
     same anchor, with the context fed in one piece or in two increments as decoding does."""
     from transformers import DynamicCache
 
-    from modeling_xpress.generation import draft_block
+    from modeling_xpress.drafting import draft_block
 
     target = tiny_llama()
     model = tiny_xpress(target, refiner="none", block_size=BLOCK)
@@ -634,7 +634,7 @@ def test_example_script_trains_on_joined_sets_with_a_draft_vocabulary_and_stops_
     for name, (first, end) in {"a": (0, 3), "b": (3, 6)}.items():
         write_response_set(tmp_path / name, first, end)
         datasets.Dataset.from_list(rows[first:end]).to_parquet(str(tmp_path / name / "responses.parquet"))
-    monkeypatch.setattr("modeling_xpress.regeneration.HELD_OUT_PROMPTS", range(4, 6))
+    monkeypatch.setattr("modeling_xpress.training.regeneration.HELD_OUT_PROMPTS", range(4, 6))
     train_tokens = {t for row in rows[:4] for t, m in zip(row["input_ids"], row["loss_mask"]) if m}
     run_example(
         monkeypatch, "--target", str(tmp_path / "target"), "--data", f"{tmp_path / 'a'},{tmp_path / 'b'}",
@@ -691,7 +691,7 @@ def test_logged_training_time_continues_across_a_resume(tmp_path, monkeypatch):
         clock[0] += 1.0
         return clock[0]
 
-    monkeypatch.setattr("modeling_xpress.training.time.perf_counter", fake_perf_counter)
+    monkeypatch.setattr("modeling_xpress.training.trainer.time.perf_counter", fake_perf_counter)
     target = tiny_llama()
     data = random_rows([30, 26, 34, 28], prompt=4, seed=2)
     args = dict(max_steps=4, per_device_train_batch_size=2, save_strategy="steps", save_steps=2, logging_steps=1)

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import torch
 
-from .generation import WallClock
+from ..stats import WallClock
 
 # The trained checkpoint bundled with the repository (issue 4), and the prompts of `make demo` and its CI test:
 # written here, in none of the training or evaluation sets.
-BUNDLED_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "xpress-smollm2-135m-instruct"
+BUNDLED_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "xpress-smollm2-135m-instruct"
 DEMO_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
     "A train travels 180 km in 2 hours. What is its average speed? Explain briefly.",
@@ -45,7 +45,7 @@ class ComparisonRow:
 @torch.inference_mode()
 def compile_cache_length(xpress, prompts: list[torch.Tensor], max_new_tokens: int) -> int:
     """One static cache length for every prompt, so `spec_generate(compile=True)` compiles once for all of them."""
-    from .compiled import cache_length
+    from ..compiled import cache_length
 
     return cache_length(max(int(p.shape[1]) for p in prompts), max_new_tokens, xpress.config.block_size)
 

@@ -73,8 +73,8 @@ def perfect_head(model, perm: torch.Tensor, scale: float = 100.0) -> None:
 
 def constructed_permutation_pair(vocab_size: int = 64, block_size: int = 8, refiner: str = "xpress"):
     """(target, xpress) where the head is constructed to know the target's permutation: whole blocks are accepted."""
-    from .configuration_xpress import XPressConfig
-    from .modeling_xpress import XPressModel
+    from ..configuration_xpress import XPressConfig
+    from ..modeling_xpress import XPressModel
 
     target, perm = permutation_target(vocab_size)
     config = XPressConfig.from_target_config(

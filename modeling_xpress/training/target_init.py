@@ -1,6 +1,6 @@
 """A drafter that starts from its target: copy target decoder layers into an xPress drafter instead of random weights.
 
-    from modeling_xpress.target_init import drafter_from_target
+    from modeling_xpress.training.target_init import drafter_from_target
     xpress = drafter_from_target(target, num_hidden_layers=2, refiner="none")   # the target's last 2 layers
 
 or, for a drafter built some other way (its config from `XPressConfig.from_target_config(target.config, ...)`):
@@ -48,8 +48,8 @@ import torch
 import torch.nn as nn
 from transformers import PreTrainedModel
 
-from .configuration_xpress import TARGET_QK_NORM, XPressConfig, is_integer
-from .modeling_xpress import XPressModel
+from ..configuration_xpress import TARGET_QK_NORM, XPressConfig, is_integer
+from ..modeling_xpress import XPressModel
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(TARGET_QK_NORM))
 

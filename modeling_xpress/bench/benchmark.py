@@ -17,7 +17,7 @@ What one `run_benchmark` call measures, for a target and a set of named xPress c
 
 Nothing is invented: `run_benchmark` returns raw per-prompt records, `reports.summarize` derives every table from them
 (so it can be rerun on a saved JSON), and `write_results` writes the JSON, a Markdown report (`reports.py`) and PNG
-plots (`plots.py`).
+plots (`plots.py`). What a run measures, and the labels of its records, are `settings.py`.
 
 Sampling (T > 0) is pure temperature sampling (no top-k / top-p) for both the plain and the speculative entries.
 """
@@ -41,83 +41,18 @@ import transformers
 from transformers import CompileConfig
 from tqdm.auto import tqdm
 
-from .generation import WallClock, spec_generate
+from ..compiled import cache_length
+from ..decoding import spec_generate
+from ..stats import WallClock
 from .latency import capture_blocks, measure_refine_latency
 from .plots import plot_draft_breakdown, plot_refiner_latency, plot_tau_vs_k
-from .compiled import cache_length
-from .configuration_xpress import is_integer
-from .reports import (
-    COMPILED_PLAIN,
-    COMPILED_SPEC,
-    CONFIG_SETTING,
-    DEFAULT_ENTRIES,
-    ENTRIES,
-    PLAIN,
-    markdown_report,
-    summarize,
-    sweep_settings,
-)
+from .reports import markdown_report, summarize
+from .settings import COMPILED_PLAIN, COMPILED_SPEC, CONFIG_SETTING, PLAIN, BenchmarkSettings, sweep_settings
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Settings and inputs
+# Inputs
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class BenchmarkSettings:
-    """Everything that decides what a run measures. Stored verbatim in the results JSON."""
-
-    max_new_tokens: int = 256  # new tokens per generation, at most (EOS may stop earlier)
-    temperatures: tuple[float, ...] = (0.0, 1.0)  # 0 = greedy; > 0 = temperature sampling with a fixed seed per prompt
-    k_values: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)  # fixed Jacobi iteration counts of the sweep; () = no sweep
-    adaptive: bool = True  # also sweep K = block_size - 1 with early exit
-    limit: int | None = None  # first N prompts of each set; None = all
-    seed: int = 0  # base seed of the per-prompt sampling generators
-    latency_blocks: int = 8  # real drafter blocks captured per method for the refiner microbenchmark
-    latency_repeats: int = 30  # timed repeats of each block and setting (the median is reported)
-    entries: tuple[str, ...] = DEFAULT_ENTRIES  # speculative entry points measured per method (ENTRIES: all)
-    compiled_plain: bool = True  # also measure plain decoding with a static cache and torch.compile
-    # drafts verified per block by every method; None: each config's own; "auto": each method's own choice on this
-    # machine (`XPressModel.choose_draft_cap`, from its config's draft_acceptance), made once before the run
-    num_assistant_tokens: int | str | None = None
-
-    def __post_init__(self) -> None:
-        self.temperatures = tuple(float(t) for t in self.temperatures)
-        self.k_values = tuple(int(k) for k in self.k_values)
-        self.entries = tuple(self.entries)
-        unknown = [e for e in self.entries if e not in ENTRIES]
-        if unknown or not self.entries or len(set(self.entries)) != len(self.entries):
-            raise ValueError(f"entries must be distinct names from {list(ENTRIES)}, got {list(self.entries)}")
-        if "spec_generate" not in self.entries and COMPILED_SPEC not in self.entries:
-            raise ValueError(f"entries must include spec_generate or {COMPILED_SPEC}: τ and the timers come from it")
-        if "spec_generate" not in self.entries and (self.k_values or self.adaptive):
-            raise ValueError(
-                "the Jacobi K sweep runs through spec_generate, which entries leaves out: add it, or turn the sweep "
-                "off (k_values=(), adaptive=False; --k-values --no-adaptive on the command line)"
-            )
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperatures:
-            raise ValueError("temperatures is empty: give at least one (0 = greedy)")
-        if any(t < 0 for t in self.temperatures):
-            raise ValueError(f"temperatures must be >= 0, got {list(self.temperatures)}")
-        cap = self.num_assistant_tokens
-        if cap is not None and cap != "auto" and (not is_integer(cap) or cap < 1):
-            raise ValueError(
-                f"num_assistant_tokens must be a positive int, 'auto' (each method's choice on this machine) or None "
-                f"(each config's own), got {cap!r}"
-            )
-        if any(k < 1 for k in self.k_values):
-            raise ValueError(f"k_values must be >= 1 (Jacobi iterations), got {list(self.k_values)}")
-        if len(set(self.k_values)) != len(self.k_values):
-            raise ValueError(f"k_values has duplicates: {list(self.k_values)}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit must be >= 1 prompt per dataset (or None for all), got {self.limit}")
-        if self.latency_blocks < 1 or self.latency_repeats < 1:
-            raise ValueError(
-                f"latency_blocks and latency_repeats must be >= 1, got {self.latency_blocks} and {self.latency_repeats}"
-            )
 
 
 @dataclass
@@ -161,7 +96,7 @@ def load_methods(
 
             model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=True)
         else:
-            from .modeling_xpress import XPressModel
+            from ..modeling_xpress import XPressModel
 
             model = XPressModel.from_pretrained(path, dtype=dtype)
         methods[name] = model.to(device).eval()
@@ -381,7 +316,7 @@ def _git(*args: str) -> str | None:
 
 def environment_info(target) -> dict:
     """Versions and machine facts stored with every result."""
-    from . import __version__
+    from .. import __version__
 
     cpu = None
     with contextlib.suppress(OSError):
@@ -561,7 +496,6 @@ def write_results(results: dict, out_dir: str | os.PathLike, run_name: str) -> d
 
 
 __all__ = [
-    "BenchmarkSettings",
     "PromptSet",
     "chat_prompt_ids",
     "evaluation_prompt_sets",

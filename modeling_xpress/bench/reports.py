@@ -1,5 +1,5 @@
-"""What a benchmark run's raw records say: the run labels, every summary table, the model card's rows and the Markdown
-report.
+"""What a benchmark run's raw records say: every summary table, the model card's rows and the Markdown report. The
+labels the records carry (entries, run settings) are defined in `settings.py`.
 
 Everything here is a pure function of the results dict that `benchmark.run_benchmark` returns (or of its saved JSON),
 and this module imports no torch: summaries and reports are plain Python over the raw records.
@@ -13,44 +13,18 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .benchmark import BenchmarkSettings
+from .settings import (
+    COMPILED_PLAIN,
+    COMPILED_SPEC,
+    CONFIG_SETTING,
+    ENTRIES,
+    PLAIN,
+    column_name,
+    setting_order,
+)
 
-ENTRIES = ("generate", "spec_generate", "spec_generate_compiled")  # the speculative entry points
-DEFAULT_ENTRIES = ("generate", "spec_generate")  # measured unless asked: the compiled one compiles per run (a minute)
-COMPILED_SPEC = "spec_generate_compiled"  # spec_generate(compile=True), one cache length for the whole run
-PLAIN = "plain"  # target.generate alone, eager: the baseline of every speed ratio
-COMPILED_PLAIN = "plain_compiled"  # target.generate alone with a static cache and torch.compile (benchmark.py)
-CONFIG_SETTING = "config"  # label of runs with the checkpoint's own Jacobi settings
-ADAPTIVE_SETTING = "adaptive"
 ALL = "all"  # the pooled pseudo-dataset in summary rows
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Run settings and their labels
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def sweep_settings(model, settings: BenchmarkSettings) -> list[tuple[str, int, bool]]:
-    """(label, max_iters, early_exit) of the K sweep for one xPress model: fixed K without early exit, then adaptive.
-    The labels are the `setting` of the sweep's records and of the refiner latency rows; `setting_order` sorts them."""
-    rows = [(f"K={k}", k, False) for k in settings.k_values]
-    if settings.adaptive:
-        rows.append((ADAPTIVE_SETTING, model.config.block_size - 1, True))
-    return rows
-
-
-def setting_order(label: str) -> tuple[int, int]:
-    """Sort key of run settings: checkpoint config, then K=1, K=2, ..., then adaptive."""
-    if label == CONFIG_SETTING:
-        return (0, 0)
-    return (2, 0) if label == ADAPTIVE_SETTING else (1, int(label.removeprefix("K=")))
-
-
-def column_name(dataset: str, temperature: float) -> str:
-    return f"{dataset} T={temperature:g}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -321,18 +295,8 @@ def markdown_report(results: Mapping, plots: Mapping[str, str] | None = None) ->
 
 
 __all__ = [
-    "ADAPTIVE_SETTING",
     "ALL",
-    "CONFIG_SETTING",
-    "COMPILED_PLAIN",
-    "COMPILED_SPEC",
-    "DEFAULT_ENTRIES",
-    "ENTRIES",
-    "PLAIN",
     "card_rows",
-    "column_name",
     "markdown_report",
-    "setting_order",
     "summarize",
-    "sweep_settings",
 ]
