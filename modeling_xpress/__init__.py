@@ -6,15 +6,11 @@
 """
 
 from .configuration_xpress import XPressConfig, default_target_layer_ids
-from .generation import (
-    XPressCandidateGenerator,
-    XPressGenerateOutput,
-    XPressGenerationStats,
-    install_generation_hook,
-    spec_generate,
-)
+from .decoding import XPressGenerateOutput, spec_generate
+from .generation import XPressCandidateGenerator, install_generation_hook
 from .modeling_xpress import MarkovHead, XPressModel, XPressPreTrainedModel, XPressRefiner
 from .refinement import RefinementResult, jacobi_refine, markov_decode, plain_decode, sequential_refine
+from .stats import XPressGenerationStats
 
 __version__ = "0.1.0"
 

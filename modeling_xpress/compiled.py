@@ -24,55 +24,42 @@ Static caches are never cropped. Each cache write starts at the first slot that 
 is set before every call), so the next write overwrites the rejected slots, and masks by position hide what is stale:
 the target's causal mask lets a query at position p see slots <= p only, and the drafter's mask shows it its committed
 context and the block it is drafting, nothing else. The loop itself (acceptance, stop tokens, the draft-length rule,
-random draws) is the eager loop's own code, run outside the graphs on their outputs, so greedy and sampled outputs
-match `compile=False`.
+random draws) is `decoding.decode`, the eager loop's own code, run on these steps' outputs (`CompiledSteps`), so
+greedy and sampled outputs match `compile=False`. Sampling settings are graph inputs (`warp`), not constants.
 
-Compiled state (caches and compiled calls) is kept per (target, drafter, length bucket, decoding settings), so only
-the first call pays compilation; `stats.time_compile` says how long it took. `release_compiled_decoders()` frees it.
+Compiled state (caches and compiled calls) is kept per (target, drafter, length bucket, kind of decoding) on the
+drafter (`DecoderCache`), so only the first call pays compilation (`stats.time_compile` says how long it took), and
+deleting the models frees it; `release_compiled_decoders()` frees it while they live. What stays after that is the
+compiler's own: dynamo's and inductor's caches of compiled code, shared by any later call with the same shapes, and
+the compiler stack itself (on a 2-core CPU, a process that compiled a tiny pair and freed it kept ~105 MB above its
+size before, ~70 MB of which any first `torch.compile` in a process loads: inductor, sympy, dynamo, FX;
+`torch._dynamo.reset()` drops the compiled code for the whole process, not that).
 
 This file travels with every saved checkpoint; it imports only torch, transformers and its siblings.
 """
 
-import contextlib
-import re
+import threading
 import time
+import weakref
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.overrides import TorchFunctionMode
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from .configuration_xpress import is_integer
-from .generation import (
-    SectionTimer,
-    XPressGenerateOutput,
-    XPressGenerationStats,
-    _accept_greedy,
-    _accept_sampling,
-    decoding_processors,
-    draft_length,
-    median_seconds,
-    target_features,
-)
+from .drafting import target_features
+from .layout_policy import decoder_policy
+from .processors import Warpers, decoding_processors, warp, warper_values
 from .refinement import RefinementResult, decode, gumbel_noise, previous_tokens, target_ids
+from .stats import XPressGenerationStats
 
 # Static caches are sized to a multiple of this many tokens, so prompts of different lengths share compiled state.
 LENGTH_BUCKET = 256
 # Compiled decoders kept alive at once (each holds two static caches); the least recently used is released first.
 MAX_DECODERS = 8
-# How the compiled graphs compute `F.linear` (`spec_generate(..., linear_layout=...)`): "auto" times the layouts on
-# the models' own weights once per row count and leaves input-major only where another is clearly faster (on a GPU:
-# never). "packed" multiplies by weights prepacked for MKL's packed GEMM (CPU, fp32; `PackedLinear`).
-LINEAR_LAYOUTS = ("auto", "input_major", "weight_major", "packed")
-# Weight-major is chosen only if the timed products are at least 1.25× faster that way: the microbenchmark leaves out
-# what the layout changes around the product inside a graph. Measured on SmolLM2 (2-core AMD EPYC), whole compiled
-# target forwards: fp32 at 3 rows 82 → 30 ms weight-major (products 2.6× faster), at 16 rows 75 → 66 ms (1.26×); bf16
-# at 16 rows 26.5 → 33.6 ms, slower, although its products timed 1.15× faster.
-WEIGHT_MAJOR_MARGIN = 0.8
 
 
 @dataclass
@@ -104,274 +91,6 @@ def verify_widths(widest: int) -> list[int]:
 def verify_width(widest: int, tokens: int) -> int:
     """The smallest of `verify_widths(widest)` that holds `tokens` (anchor + the drafts to verify)."""
     return next(w for w in verify_widths(widest) if w >= tokens)
-
-
-# --- CPU matmul layout -------------------------------------------------------------------------------------------
-# A verification multiplies a few rows (anchor + drafts) by every weight of the target. Some CPU BLAS builds run
-# `F.linear(x, W)` = x·Wᵀ for 2–3 rows through a per-row path: on the 2-core AMD EPYC of this project (MKL, fp32) the
-# SmolLM2 lm_head (49,152 × 576) took 6.8 ms for 1 row, 20 ms for 3 and 9.8 ms for 4, and a 3-token verification cost
-# two plain decoding steps. The same product computed weight-major, (W·xᵀ)ᵀ, is one streaming pass over W: 3.1 ms for
-# 3 rows. Which layout is faster depends on the CPU and the BLAS build, so "auto" times both (`weight_major_pays`).
-
-
-class _FewRowLinear(TorchFunctionMode):
-    """Inside this mode `F.linear(x, W, b)` with at most `max_rows` rows of x (and a weight `applies` accepts) is
-    computed as `product(x_2d, W)` (+ b): the same product, another kernel. Entered inside a compiled function, it is
-    traced into the graph (no Python cost per call). Other functions, and larger inputs, are untouched."""
-
-    def __init__(self, max_rows: int):
-        super().__init__()
-        self.max_rows = max_rows
-
-    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return weight.dim() == 2
-
-    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-            if self.applies(x, weight) and x.dim() >= 2 and 0 < rows <= self.max_rows:
-                out = self.product(x.reshape(rows, x.shape[-1]), weight)
-                if bias is not None:
-                    out = out + bias
-                return out.reshape(*x.shape[:-1], weight.shape[0])
-        return func(*args, **kwargs)
-
-
-class WeightMajorLinear(_FewRowLinear):
-    """`F.linear` over a few rows computed as `(W @ x_2dᵀ)ᵀ + b`: the same product, another operand order for the
-    BLAS (`_FewRowLinear`)."""
-
-    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return torch.mm(weight, x.t()).t()
-
-
-_LAYOUT_TIMINGS: dict[tuple, tuple[float, float]] = {}
-
-
-def linear_weights(*modules: nn.Module) -> list[torch.Tensor]:
-    """The weights of every `nn.Linear` in the modules (each tensor once: a tied lm_head counts once)."""
-    seen, weights = set(), []
-    for module in modules:
-        for sub in module.modules():
-            if isinstance(sub, nn.Linear) and id(sub.weight) not in seen:
-                seen.add(id(sub.weight))
-                weights.append(sub.weight)
-    return weights
-
-
-@torch.no_grad()
-def weight_major_pays(weights, rows: int, repeats: int = 5) -> bool:
-    """Whether `F.linear` over `rows` input rows is faster weight-major than input-major on these weights: the sum of
-    each distinct weight shape's median time, times how many weights have that shape, by at least
-    `WEIGHT_MAJOR_MARGIN`. Timed on the weights themselves (their memory layout is what the BLAS reads); each (shape,
-    dtype, rows, threads) is timed once per process."""
-    by_shape: dict[tuple, list[torch.Tensor]] = {}
-    for weight in weights:
-        by_shape.setdefault((tuple(weight.shape), weight.dtype, weight.device.type), []).append(weight)
-    input_major = weight_major = 0.0
-    for key, group in by_shape.items():
-        timing_key = (*key, rows, torch.get_num_threads())
-        if timing_key not in _LAYOUT_TIMINGS:
-            weight = group[0]
-            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            _LAYOUT_TIMINGS[timing_key] = (
-                median_seconds(lambda: F.linear(x, weight), repeats),
-                median_seconds(lambda: torch.mm(weight, x.t()).t(), repeats),
-            )
-        t_input, t_weight = _LAYOUT_TIMINGS[timing_key]
-        input_major += len(group) * t_input
-        weight_major += len(group) * t_weight
-    return weight_major < WEIGHT_MAJOR_MARGIN * input_major
-
-
-def weight_major_layout(linear_layout: str, weights, rows: int) -> bool:
-    """Whether `linear_layout` computes `F.linear` over `rows` rows of these weights weight-major: "weight_major"
-    always, "input_major" never, "auto" where `weight_major_pays` (never on a GPU). The one rule of the compiled
-    graphs, the eager loops' verification (`generation.VerificationLayout`) and `draft_cap`."""
-    if linear_layout != "auto":
-        return linear_layout == "weight_major"
-    return weights[0].device.type != "cuda" and weight_major_pays(weights, rows)
-
-
-# --- MKL packed weights (CPU, fp32) ------------------------------------------------------------------------------
-# MKL can prepack a GEMM operand into its kernels' own blocked layout once (`cblas_sgemm_pack`) and then multiply
-# input rows by it (`cblas_sgemm_compute`); torch exposes both (`torch.ops.mkl._mkl_reorder_linear_weight` /
-# `_mkl_linear`), and inductor's `freezing` uses them for fp32 linears. For the few rows of a verification this is the
-# fastest product measured on the 2-core Intel Xeon (Ice Lake, AVX-512) of this project: all of SmolLM2's products
-# over 4 / 8 / 16 rows took 53 / 65 / 111 ms input-major and 30 / 31 / 41 ms packed (one row: ~26 ms either way; 2-3
-# rows: input-major is as fast). A pack is made for a row count: packed for 1 row and used for 4, the same products
-# took 37 ms. So packs are kept per (weight, rows), each +1x that weight's memory, made only for the widths a decoder
-# compiles, until `release_compiled_decoders()`. The graphs call them through one operator with the weight as its
-# input, so no weight is folded into a graph: a weight changed in place is repacked at its next use (its version
-# counter moved), and a (weight, rows) that was never packed goes through `F.linear`.
-
-_PACKS: dict[tuple[int, int], tuple[torch.Tensor, int, torch.Tensor]] = {}  # (data_ptr, rows) -> weight, version, pack
-_PACKING_WORKS: list[bool] = []
-
-
-def _packable(weight: torch.Tensor) -> bool:
-    return weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
-
-
-def mkl_packing_available() -> bool:
-    """Whether this torch build has MKL's packed GEMM and it computes `F.linear` here (checked once per process on a
-    small weight)."""
-    if not _PACKING_WORKS:
-        works = bool(torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
-        if works:
-            try:
-                generator = torch.Generator().manual_seed(0)
-                weight = torch.randn(72, 40, generator=generator)
-                for rows in (1, 3, 16):
-                    x = torch.randn(rows, 40, generator=generator)
-                    out = torch.ops.mkl._mkl_linear(x, _pack(weight, rows), weight, None, rows)
-                    works &= torch.allclose(out, F.linear(x, weight), rtol=1e-4, atol=1e-5)
-            except RuntimeError:  # a build whose MKL ops exist but do not run here
-                works = False
-        _PACKING_WORKS.append(works)
-    return _PACKING_WORKS[0]
-
-
-def _version(weight: torch.Tensor) -> int:
-    """The weight's in-place version counter. A tensor made under `torch.inference_mode` (a model loaded there, or the
-    draft readout's lm_head rows cut there) has none: it counts as never changed in place (-1), so its pack is made
-    again only for a new data pointer or shape."""
-    return -1 if weight.is_inference() else weight._version
-
-
-def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
-
-
-def pack_weights(weights, rows: int) -> list[torch.Tensor]:
-    """Prepack the fp32 CPU weights among `weights` for products over `rows` input rows (once each; again if one
-    changed in place since). Returns the weights that had no pack for `rows` before."""
-    new = []
-    for weight in weights:
-        if _packable(weight):
-            kept = _PACKS.get((weight.data_ptr(), rows))
-            if kept is None:
-                new.append(weight)
-            if kept is None or kept[1] != _version(weight) or kept[0].shape != weight.shape:
-                _PACKS[weight.data_ptr(), rows] = (weight, _version(weight), _pack(weight, rows))
-    return new
-
-
-def release_packed_weights(weights=None, rows: int | None = None) -> None:
-    """Drop the packs of `weights` for `rows` rows, or every kept pack (`release_compiled_decoders` does this)."""
-    if weights is None:
-        _PACKS.clear()
-        return
-    for weight in weights:
-        _PACKS.pop((weight.data_ptr(), rows), None)
-
-
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (rows, in) · Wᵀ with W's pack for that many rows; `F.linear` where there is none."""
-    key = (weight.data_ptr(), x.shape[0])
-    kept = _PACKS.get(key)
-    if kept is None or kept[0].shape != weight.shape or kept[0].stride() != weight.stride():
-        return F.linear(x, weight)
-    if kept[1] != _version(weight):  # changed in place since it was packed
-        kept = _PACKS[key] = (kept[0], _version(weight), _pack(weight, x.shape[0]))
-    return torch.ops.mkl._mkl_linear(x.contiguous(), kept[2], weight, None, x.shape[0])
-
-
-# An operator of its own, so a compiled graph calls it as one opaque kernel with the weight as its input. Registered
-# with a CPU kernel (`torch.library.Library`): as a `torch.library.custom_op` each call cost ~60 µs more inside a
-# graph, against ~20 µs for a whole small product. Named after this module: the package and a checkpoint's copy of
-# this file (loaded with trust_remote_code) can live in one process.
-_OP_NAMESPACE = "xpress_" + re.sub(r"\W", "_", __name__)
-_LIBRARY = torch.library.Library(_OP_NAMESPACE, "DEF")
-_LIBRARY.define("packed_linear(Tensor x, Tensor weight) -> Tensor")
-_LIBRARY.impl("packed_linear", _packed_linear, "CPU")
-torch.library.register_fake(f"{_OP_NAMESPACE}::packed_linear", lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]),
-                            lib=_LIBRARY)  # fmt: skip
-packed_linear = getattr(torch.ops, _OP_NAMESPACE).packed_linear.default
-
-
-class PackedLinear(_FewRowLinear):
-    """`F.linear` over a few rows of x with an fp32 CPU weight computed with W's MKL pack for that many rows
-    (`pack_weights`; a weight without one goes through `F.linear`)."""
-
-    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return _packable(weight) and x.dtype == weight.dtype
-
-    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, weight)
-
-
-_PACKED_TIMINGS: dict[tuple, tuple[float, float, float]] = {}
-
-
-@torch.no_grad()
-def packed_pays(weights, rows: int, repeats: int = 3) -> bool:
-    """Whether `F.linear` over `rows` rows of these weights is faster with MKL-packed weights than both other layouts,
-    and than input-major by `WEIGHT_MAJOR_MARGIN`. Timed as a forward streams them (`draft_cap.products_seconds`:
-    every weight once, packed for `rows`, the packs dropped after): one weight timed over and over stays in cache,
-    and on the Intel Xeon that ranked the layouts differently from the forward. Each (weights, rows, threads) is timed
-    once per process. False where packing is unavailable or a weight is not fp32 on a CPU."""
-    if not mkl_packing_available() or not all(_packable(weight) for weight in weights):
-        return False
-    key = (tuple(weight.data_ptr() for weight in weights), rows, torch.get_num_threads())
-    if key not in _PACKED_TIMINGS:
-        from .draft_cap import products_seconds  # (draft_cap imports this module)
-
-        jobs = [(weights, rows, kind) for kind in ("packed", "input_major", "weight_major")]
-        _PACKED_TIMINGS[key] = tuple(products_seconds(jobs, repeats=repeats))
-    packed, input_major, weight_major = _PACKED_TIMINGS[key]
-    return packed < WEIGHT_MAJOR_MARGIN * input_major and packed < weight_major
-
-
-def linear_layout_kind(linear_layout: str, weights, rows: int) -> str:
-    """The layout the compiled graphs use for `F.linear` over `rows` rows of these weights: "packed" where asked (for
-    weights that are all float32 on the CPU) or, with "auto", where `packed_pays`; else "weight_major" where
-    `weight_major_layout` says so; else "input_major"."""
-    if linear_layout == "packed":
-        return "packed" if all(_packable(weight) for weight in weights) else "input_major"
-    if linear_layout == "auto" and weights[0].device.type != "cuda" and packed_pays(weights, rows):
-        return "packed"
-    return "weight_major" if weight_major_layout(linear_layout, weights, rows) else "input_major"
-
-
-def linear_mode(kind: str, max_rows: int):
-    """The context that computes `F.linear` over at most `max_rows` rows in layout `kind`."""
-    if kind == "packed":
-        return PackedLinear(max_rows)
-    if kind == "weight_major":
-        return WeightMajorLinear(max_rows)
-    return contextlib.nullcontext()
-
-
-def check_packed_layout(weights) -> None:
-    """`linear_layout="packed"` needs MKL's packed GEMM and fp32 CPU weights: an error that says so, before tracing."""
-    if not mkl_packing_available():
-        raise ValueError(
-            "linear_layout='packed' needs MKL's packed GEMM, which this torch build or CPU does not provide: use "
-            "linear_layout='auto' (it picks the fastest layout available here)."
-        )
-    bad = sorted({f"{weight.dtype} on {weight.device.type}" for weight in weights if not _packable(weight)})
-    if bad:
-        raise ValueError(
-            f"linear_layout='packed' packs float32 weights on a CPU, but these models have weights in {', '.join(bad)}: "
-            "load them in float32 on the CPU, or use linear_layout='auto'."
-        )
-
-
-def check_linear_layout(linear_layout) -> None:
-    if linear_layout not in LINEAR_LAYOUTS:
-        raise ValueError(
-            f"linear_layout must be one of {', '.join(map(repr, LINEAR_LAYOUTS))}, got {linear_layout!r}: 'auto' "
-            "times the layouts on the models' weights and leaves input-major where no other is clearly faster, "
-            "'input_major' is F.linear as is, 'weight_major' computes it as (W @ x.T).T, 'packed' multiplies by "
-            "weights prepacked for MKL (compile=True, float32 on a CPU)."
-        )
 
 
 def _graphs_compiled() -> int:
@@ -424,16 +143,14 @@ def _pad_rows(features: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([features, features.new_zeros(features.shape[0], missing, features.shape[2])], dim=1)
 
 
-def _prefix_free_transform(processors):
-    """The logits transform of prefix-free processors (temperature/top-k/top-p) for a block (b, n, V): they never read
-    the token prefix, so it is not passed (in the eager loop `processors_transform` passes it, unread)."""
-    if not processors:
+def _block_transform(warpers: Warpers | None, values):
+    """`warp` for a block (b, n, V), or None when greedy."""
+    if warpers is None:
         return None
 
     def transform(logits: torch.Tensor) -> torch.Tensor:
         b, n, v = logits.shape
-        unread_ids = torch.zeros(b * n, 1, dtype=torch.long, device=logits.device)
-        return processors(unread_ids, logits.reshape(b * n, v)).reshape(b, n, v)
+        return warp(logits.reshape(b * n, v), warpers, values).reshape(b, n, v)
 
     return transform
 
@@ -484,17 +201,15 @@ class CompiledDecoder:
     models of the same shapes (weights and caches are graph inputs) and compiles only for new shapes.
     """
 
-    def __init__(self, xpress, target, max_cache_len: int, temperature: float, top_k, top_p,
-                 linear_layout: str = "auto"):  # fmt: skip
+    def __init__(self, xpress, target, max_cache_len: int, warpers: Warpers | None, linear_layout: str = "auto"):
         self.xpress, self.target = xpress, target
         self.block = xpress.config.block_size
         self.max_cache_len = max_cache_len
         self.layer_ids = list(xpress.config.target_layer_ids)
         self.hidden_request = [i + 1 for i in self.layer_ids]
         self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-        self.do_sample = temperature > 0
-        self.processors = decoding_processors(temperature, top_k, top_p)
-        self.transform = _prefix_free_transform(self.processors)
+        self.warpers = warpers  # which sampling warpers the graphs apply (None: greedy); their values are inputs
+        self.do_sample = warpers is not None
         self.jacobi_iters = xpress.config.jacobi_max_iters
         self.target_cache = _static_cache(target.config, max_cache_len, "target")
         self.draft_cache = _static_cache(xpress.config, max_cache_len, "drafter")
@@ -506,9 +221,9 @@ class CompiledDecoder:
         )
         self.cuda = target.device.type == "cuda"
         mode = "reduce-overhead" if self.cuda else None  # CUDA graphs on a GPU; plain inductor kernels on CPU
-        self.linear_layout = linear_layout
-        self.graph_weights = self._graph_weights(linear_layout)
-        self.layouts: dict[tuple[str, int], str] = {}  # (graph, rows) -> layout, decided by `prepare`
+        # How each graph's products run on this device (`layout_policy`): decided per (graph, rows) before the graph
+        # first runs (`prepare`), so a traced graph reads a decided layout as a constant.
+        self.policy = decoder_policy(linear_layout, target, xpress, compiled=True, readout=self.head_rows())
         self.prepare("drafter", self.block)
         self.compile_seconds = 0.0
         self.verified_widths: set[int] = set()  # verification widths whose graph is compiled
@@ -517,53 +232,30 @@ class CompiledDecoder:
         self.refiner = _TimedCompile(self._refine, self, mode)
         self.verify = _TimedCompile(self._verify, self, mode)
 
-    def _graph_weights(self, linear_layout: str) -> dict:
-        """The weights each graph multiplies by: the target's (verification), the drafter's, and the readout's one
-        matrix (the draft vocabulary's lm_head rows, or the whole lm_head). "packed" needs the target's to be float32
-        on the CPU: checked here, before anything is traced."""
-        rows = self.head_rows()
-        weights = {
-            "verify": linear_weights(self.target),
-            "drafter": linear_weights(self.xpress),
-            "head": [self.lm_head.weight if rows is None else rows[0]],
-        }
-        if linear_layout == "packed":
-            check_packed_layout(weights["verify"])
-        return weights
-
     def prepare(self, graph: str, rows: int) -> None:
-        """Decide the `F.linear` layout of graph (`graph`, `rows`) (`linear_layout_kind`: "auto" times the layouts on
-        that graph's weights for that many rows) and pack its weights if it is a packed graph. Called before the
-        graph first runs (the drafter when the decoder is built, each verification width before it is compiled, the
-        readout before a call's loop), so only the widths a decoder uses are timed and hold packs, and a traced
-        graph reads a decided layout as a constant. Packs are made again if they were released or a weight changed
-        in place; the layout is never changed. The drafter's K/V read [context; block], 2B rows: its weights are
-        packed for those too."""
-        key = (graph, rows)
-        if key not in self.layouts:  # a bfloat16 drafter, or a GPU: input-major in the rule itself
-            self.layouts[key] = linear_layout_kind(self.linear_layout, self.graph_weights[graph], rows)
-        if self.layouts[key] == "packed":
-            pack_weights(self.graph_weights[graph], rows)
-            if graph == "drafter":
-                pack_weights(self.graph_weights[graph], 2 * rows)
+        """Decide the layout of graph (`graph`, `rows`) and make what it needs (packs), before the graph first runs:
+        the drafter when the decoder is built, each verification width before it is compiled, the readout before a
+        call's loop; so only the widths a decoder uses are timed and hold packs. The drafter's K/V read [context;
+        block], 2B rows: its weights are prepared for those too."""
+        self.policy.prepare(graph, rows, *([2 * rows] if graph == "drafter" else []))
 
-    def graphs_in(self, kind: str) -> frozenset:
-        """The graphs decided so far, as (name, rows), whose `F.linear` layout is `kind`."""
-        return frozenset(graph for graph, layout in self.layouts.items() if layout == kind)
+    @property
+    def layouts(self) -> dict:
+        """(graph, rows) -> the layout decided for it."""
+        return self.policy.kinds
 
     @property
     def weight_major(self) -> frozenset:
-        return self.graphs_in("weight_major")
+        return self.policy.decided("weight_major")
 
     @property
     def packed(self) -> frozenset:
-        return self.graphs_in("packed")
+        return self.policy.decided("packed")
 
     def _linear_mode(self, graph: str, rows: int):
-        """The `F.linear` layout of one graph: entered inside it, so the choice is traced into the graph."""
-        # max_rows 2B: the drafter's K/V read [context; block]
-        # A graph run without `prepare` (only a direct call of `_draft` / `_verify`) computes F.linear as it is.
-        return linear_mode(self.layouts.get((graph, rows), "input_major"), 2 * self.block)
+        """The layout of one graph's products: entered inside it, so the choice is traced into the graph (max_rows
+        2B: the drafter's K/V read [context; block]). A graph run without `prepare` computes F.linear as it is."""
+        return self.policy.mode(graph, rows, 2 * self.block)
 
     # --- the four graphs ------------------------------------------------------------------------------------------
 
@@ -606,21 +298,21 @@ class CompiledDecoder:
             torch._dynamo.mark_static_address(rows[0])
         return rows
 
-    def _refine(self, hidden, base_logits, anchor_ids, noise, folded):
-        xpress = self.xpress
+    def _refine(self, hidden, base_logits, anchor_ids, noise, folded, warp_values):
+        xpress, transform = self.xpress, _block_transform(self.warpers, warp_values)
         if folded is None:  # Markov serial decode, plain argmax, or Jacobi with K = 0: no data-dependent control flow
-            result = xpress.refine(hidden, base_logits, anchor_ids, logits_transform=self.transform, noise=noise)
+            result = xpress.refine(hidden, base_logits, anchor_ids, logits_transform=transform, noise=noise)
         else:  # over the draft vocabulary when there is one (`_base_logits`), as `xpress.refine` decides
             vocabulary, draft_space = xpress.decoding_vocabulary(base_logits)
             result = jacobi_fixed_iterations(
                 xpress.refiner, folded, hidden, base_logits, anchor_ids, iterations=self.jacobi_iters,
-                logits_transform=self.transform, noise=noise, **vocabulary,
+                logits_transform=transform, noise=noise, **vocabulary,
             )  # fmt: skip
             if draft_space:
                 result.logits = xpress.to_vocabulary(result.logits, fill=float("-inf"))
         return result.tokens, result.logits, result.iterations
 
-    def _verify(self, tokens: torch.Tensor, anchor_pos: torch.Tensor):
+    def _verify(self, tokens: torch.Tensor, anchor_pos: torch.Tensor, warp_values):
         """Target forward on tokens (1, W) = [anchor, drafts] at positions anchor_pos.. (W a `verify_widths` bucket,
         one graph each): processed logits (W, V) and the drafter's context features of these tokens (1, W, L·H_t)."""
         width = tokens.shape[1]
@@ -630,11 +322,11 @@ class CompiledDecoder:
             out = self.target(input_ids=tokens, position_ids=position_ids, cache=self.target_cache,
                               output_hidden_states=self.hidden_request)  # fmt: skip
         logits = out.logits[0].float()  # (W, V)
-        if self.processors:  # prefix-free: the ids are not read
-            logits = self.processors(tokens.expand(width, -1), logits)
+        if self.warpers is not None:  # prefix-free: the ids are not read
+            logits = warp(logits, self.warpers, warp_values)
         return logits, target_features(out.hidden_states, self.layer_ids, width)
 
-    def compile_verify_widths(self, widths, anchor: torch.Tensor, anchor_pos: int) -> None:
+    def compile_verify_widths(self, widths, anchor: torch.Tensor, anchor_pos: int, warp_values) -> None:
         """Compile the verification graphs of `widths` not compiled yet, on placeholder tokens at the first step's
         slots (right after the prefill): the first real verification writes from the same slot, so nothing they
         leave in the cache is ever read. Then no step of a call compiles in the middle of decoding."""
@@ -642,7 +334,7 @@ class CompiledDecoder:
             if width not in self.verified_widths:
                 self.prepare("verify", width)
                 placeholder = anchor.reshape(1, 1).expand(1, width).contiguous()  # laid out as the real calls' ids
-                self.verify(placeholder, torch.tensor(anchor_pos, device=anchor.device))
+                self.verify(placeholder, torch.tensor(anchor_pos, device=anchor.device), warp_values)
                 self.verified_widths.add(width)
 
     # --- one call -------------------------------------------------------------------------------------------------
@@ -667,31 +359,73 @@ class CompiledDecoder:
         return folded
 
 
-_DECODERS: "OrderedDict[tuple, CompiledDecoder]" = OrderedDict()
+class DecoderCache:
+    """The compiled decoders of one drafter, kept on it (`xpress._compiled_decoders`), so they live and die with it:
+    nothing process-global refers to a model, and `del` of the drafter and its target frees their decoders, static
+    caches and packed weights with them. A copy of the drafter (`copy.deepcopy`, pickling) starts with none."""
+
+    def __init__(self):
+        self.decoders: "OrderedDict[tuple, CompiledDecoder]" = OrderedDict()
+
+    def __deepcopy__(self, memo) -> "DecoderCache":
+        return DecoderCache()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state) -> None:
+        self.decoders = OrderedDict()
 
 
-def release_compiled_decoders() -> None:
-    """Drop every kept compiled decoder (its static caches and the models it references) and every weight pack."""
-    _DECODERS.clear()
-    release_packed_weights()
+# Drafters that hold compiled decoders, weakly (for `release_compiled_decoders`); and the lock of compiled calls.
+_HOLDERS: "weakref.WeakSet" = weakref.WeakSet()
+_CALLS = threading.RLock()
+
+
+def release_compiled_decoders(*models) -> None:
+    """Drop the compiled decoders (static caches, references to the target, packed weights) of the given drafters,
+    or of every drafter. Deleting the models frees them too; this frees them while the models live. The compiled
+    code itself stays (dynamo's and inductor's caches, shared by any later call with the same shapes:
+    `torch._dynamo.reset()` drops it for the whole process)."""
+    with _CALLS:
+        for xpress in models or list(_HOLDERS):
+            cache = getattr(xpress, "_compiled_decoders", None)
+            for decoder in cache.decoders.values() if cache is not None else ():
+                decoder.policy.release()
+            if cache is not None:
+                cache.decoders.clear()
 
 
 def compiled_decoder(xpress, target, max_cache_len: int, temperature: float, top_k, top_p,
                      linear_layout: str = "auto") -> CompiledDecoder:  # fmt: skip
-    """The kept decoder for these models, cache length, decoding settings and linear layout, built on first use."""
+    """The kept decoder for these models (their dtypes and devices too), cache length, sampling warpers and linear
+    layout, built on first use. The warpers' values are not part of it: they are graph inputs."""
     config = xpress.config
-    if temperature == 0:  # greedy: top-k/top-p do not apply
-        top_k = top_p = None
-    key = (id(xpress), id(target), max_cache_len, temperature, top_k, top_p, config.block_size,
-           config.jacobi_max_iters, config.refiner, linear_layout)  # fmt: skip
-    decoder = _DECODERS.get(key)
-    if decoder is None or decoder.xpress is not xpress or decoder.target is not target:
-        decoder = CompiledDecoder(xpress, target, max_cache_len, temperature, top_k, top_p, linear_layout)
-        _DECODERS[key] = decoder
-        while len(_DECODERS) > MAX_DECODERS:
-            _DECODERS.popitem(last=False)
-    _DECODERS.move_to_end(key)
+    key = (id(target), max_cache_len, Warpers.of(temperature, top_k, top_p), config.block_size,
+           config.jacobi_max_iters, config.refiner, linear_layout, xpress.fc.weight.dtype, xpress.device,
+           target.dtype, target.device)  # fmt: skip
+    cache = getattr(xpress, "_compiled_decoders", None)
+    if cache is None:
+        cache = xpress._compiled_decoders = DecoderCache()
+        _HOLDERS.add(xpress)
+    decoder = cache.decoders.get(key)
+    if decoder is None or decoder.target is not target:
+        decoder = CompiledDecoder(xpress, target, max_cache_len, Warpers.of(temperature, top_k, top_p), linear_layout)
+        cache.decoders[key] = decoder
+        while len(cache.decoders) > MAX_DECODERS:
+            cache.decoders.popitem(last=False)
+    cache.decoders.move_to_end(key)
     return decoder
+
+
+def recompile_limit(max_positions: int, block_size: int) -> int:
+    """dynamo's recompile limit for the compiled calls: above the entries one pair of model shapes can make, so it
+    is never reached in normal use. Every decoder's calls share code objects, and each code object gets one entry
+    per length bucket (up to the target's context) × verification width × kind of sampling (greedy, or which
+    warpers apply: 9 kinds) — values of the sampling settings are graph inputs and add none — with room for four
+    dtype/device variants. Past it a call fails loudly rather than running uncompiled."""
+    buckets = max_positions // LENGTH_BUCKET + 1
+    return max(64, 4 * 9 * buckets * len(verify_widths(block_size)))
 
 
 def cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -724,34 +458,93 @@ def check_compilable(xpress, target, repetition_penalty, no_repeat_ngram_size, l
         )
 
 
-@torch.no_grad()
-def compiled_spec_generate(
-    xpress,
-    target,
-    input_ids: torch.LongTensor,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_k,
-    top_p,
-    stop: torch.Tensor,
-    generator: torch.Generator | None,
-    draft_rule,
-    max_cache_len: int | None = None,
-    linear_layout: str = "auto",
-) -> XPressGenerateOutput:
-    """`spec_generate`'s loop on a `CompiledDecoder`: prefill → draft → refine → verify → accept, fixed shapes.
+class CompiledSteps:
+    """`decoding.DecodeSteps` on a `CompiledDecoder`: the same steps as the eager loop's, as fixed-shape graphs.
 
-    Arguments are checked by `spec_generate`, which dispatches here for `compile=True`. `max_cache_len`: the caches'
-    length (default: this call's bucket, `cache_length`). `linear_layout`: how the graphs compute `F.linear`
-    (`LINEAR_LAYOUTS`; "auto" times them on the models' weights, on a CPU, for each graph width the first time a call
-    uses it: `CompiledDecoder.prepare`).
-    """
+    Verification runs `[anchor, d_1..d_{W-1}]` with W fixed per graph: without a confidence threshold W is the cap's
+    width (one graph per call), with one the smallest `verify_widths` bucket that holds the drafts to verify (only
+    those take part in acceptance; by causality the target's logits at positions 0..m do not depend on the drafts
+    after them). A step with no draft budget verifies placeholder drafts no acceptance reads. Nothing is cropped: the
+    next verification writes from the slot after the committed tokens."""
+
+    def __init__(self, decoder: CompiledDecoder, draft_rule, processors, warp_values):
+        self.decoder, self.processors, self.warp_values = decoder, processors, warp_values
+        self.do_sample = decoder.do_sample
+        self.widest = draft_rule.cap + 1  # anchor + the cap's drafts
+        self.fixed_width = not draft_rule.threshold
+
+    def prefill(self, input_ids):
+        return self.decoder.prefill(input_ids)
+
+    def start(self, sequence) -> None:
+        # Verification widths this call can use, compiled now rather than in the middle of decoding.
+        widths = [self.widest] if self.fixed_width else verify_widths(self.widest)
+        self.decoder.compile_verify_widths(widths, sequence[0, -1], sequence.shape[1] - 1, self.warp_values)
+        self.decoder.prepare("head", self.widest - 1)  # the readout of the cap's drafts
+
+    def draft(self, sequence, features, count, context_len, stats, timer, generator):
+        decoder, block = self.decoder, self.decoder.block
+        if decoder.cuda:  # outputs of the previous step's graphs are dead; what is carried over was cloned
+            torch.compiler.cudagraph_mark_step_begin()
+        anchor = sequence[0, -1].view(1, 1)  # not sequence[:, -1:], whose stride (the length) would recompile
+        t0 = timer.mark()
+        positions = torch.tensor([context_len, count], device=sequence.device)
+        if features.shape[1] <= block:  # padded to B rows: the fixed-shape graph
+            hidden = decoder.drafter(anchor, _pad_rows(features, block), positions[0], positions[1])
+        else:  # a prompt longer than a block: a prefill of varying length, uncompiled
+            hidden = decoder._draft(anchor, features, positions[0], positions[1])
+        t1 = timer.mark()
+        base = decoder.head(hidden[:, : self.widest], decoder.head_rows())  # the cap's drafts only: (1, cap, V_d)
+        t2 = timer.mark()
+        noise = gumbel_noise(base.shape, generator=generator, device=base.device) if self.do_sample else None
+        tokens, logits, iterations = decoder.refiner(hidden[:, 1:], base, anchor.view(1), noise, decoder.folded(),
+                                                     self.warp_values)  # fmt: skip
+        t3 = timer.mark()
+        stats.record("drafter", t0, t1)
+        stats.record("lm_head", t1, t2)
+        stats.record("refiner", t2, t3)
+        stats.jacobi_iterations.append(int(iterations[0]))
+        return RefinementResult(tokens=tokens, logits=logits, iterations=iterations)
+
+    def verify(self, sequence, drafts, length, stats):
+        decoder = self.decoder
+        anchor = sequence[0, -1].view(1, 1)
+        if drafts is None:  # one token left: the drafts are placeholders no acceptance reads
+            if decoder.cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+            drafts = anchor[0].expand(decoder.block - 1)
+        width = self.widest if self.fixed_width else verify_width(self.widest, length + 1)
+        stats.verify_widths.append(width)
+        verify_ids = torch.cat([anchor, drafts[: width - 1].view(1, -1)], dim=1)  # (1, W) [anchor, d_1..]
+        anchor_pos = torch.tensor(sequence.shape[1] - 1, device=sequence.device)
+        p_logits, features = decoder.verify(verify_ids, anchor_pos, self.warp_values)
+        return p_logits, (features.clone() if decoder.cuda else features)  # (a CUDA graph reuses its output)
+
+    def commit(self, matches: int) -> None:
+        pass  # the next verification writes from the slot after the committed tokens
+
+
+@contextmanager
+def compiled_steps(xpress, target, input_ids, draft_rule, stats: CompiledGenerationStats, *, max_new_tokens: int,
+                   temperature: float, top_k, top_p, max_cache_len: int | None = None, linear_layout: str = "auto"):  # fmt: skip
+    """The `CompiledSteps` of one `spec_generate(compile=True)` call, on the kept decoder for these models and
+    settings (built, and its graphs compiled, on first use); `stats` gets what the compiled call measured.
+
+    One compiled call at a time in a process: a decoder's static caches and write positions belong to the call that
+    runs it, and dynamo's configuration is process-wide. Every decoder's calls share code objects, so dynamo may keep
+    more than its default 8 entries each (`recompile_limit`); past that it fails loudly rather than fall back to
+    eager. `max_cache_len`: the caches' length (default: this call's bucket, `cache_length`). `linear_layout`: how
+    the graphs compute `F.linear` (`layout_policy`)."""
     block = xpress.config.block_size
     cache_len = cache_length(input_ids.shape[1], max_new_tokens, block)
     if max_cache_len is not None:
+        if not is_integer(max_cache_len):
+            raise ValueError(
+                f"max_cache_len must be an integer number of cache slots, got {max_cache_len!r}: pass an int (e.g. "
+                f"{4 * LENGTH_BUCKET}), or leave it unset to size the caches per call."
+            )
         needed = input_ids.shape[1] + max_new_tokens + 2 * block
-        if not is_integer(max_cache_len) or max_cache_len < needed:
+        if max_cache_len < needed:
             raise ValueError(
                 f"max_cache_len={max_cache_len!r} cannot hold this call: the prompt ({input_ids.shape[1]} tokens), "
                 f"max_new_tokens ({max_new_tokens}) and two blocks of {block} need at least {needed} slots. Pass a "
@@ -759,127 +552,30 @@ def compiled_spec_generate(
                 "call."
             )
         cache_len = int(max_cache_len)
-    # Every compiled decoder's calls share code objects; dynamo keeps one entry per decoder, so allow more than its
-    # default 8, and fail loudly rather than fall back to eager if even that is exceeded.
-    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+    if temperature == 0:  # greedy: top-k/top-p do not apply
+        top_k = top_p = None
+    processors = decoding_processors(temperature, top_k, top_p)  # the loop's own picks, outside the graphs
+    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or cache_len
+    limit = recompile_limit(max(max_positions, cache_len), block)
+    with _CALLS, torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
         decoder = compiled_decoder(xpress, target, cache_len, temperature, top_k, top_p, linear_layout)
         compiled_before = decoder.compile_seconds
-        stats = CompiledGenerationStats()
-        xpress.generation_stats = stats
-        out = _decode(decoder, input_ids, max_new_tokens, stop, generator, draft_rule, stats)
+        warp_values = warper_values(temperature, top_k, top_p, input_ids.device)
+        yield CompiledSteps(decoder, draft_rule, processors, warp_values)
         stats.time_compile = decoder.compile_seconds - compiled_before
         stats.weight_major_graphs = [f"{g}:{rows}" for g, rows in sorted(decoder.weight_major)]
         stats.packed_graphs = [f"{g}:{rows}" for g, rows in sorted(decoder.packed)]
-    return out
-
-
-def _decode(decoder: CompiledDecoder, input_ids, max_new_tokens, stop, generator, draft_rule, stats):
-    xpress, block, n = decoder.xpress, decoder.block, decoder.block - 1
-    device, do_sample, processors = input_ids.device, decoder.do_sample, decoder.processors
-    timer = SectionTimer(device)
-    start = timer.mark()
-    stop_ids = set(stop.tolist())
-
-    def pick(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        logits = processors(ids, logits.float()) if processors else logits.float()
-        if not do_sample:
-            return logits.argmax(dim=-1)
-        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
-
-    # Prefill: the prompt's features become the drafter's first context, and the target emits the first token.
-    last_logits, features = decoder.prefill(input_ids)
-    sequence = torch.cat([input_ids, pick(last_logits, input_ids).view(1, 1)], dim=1)
-    last_token = int(sequence[0, -1])
-    count = input_ids.shape[1]  # rows of `features` that are new committed context
-    context_len = 0
-    # Verification widths this call can use: the cap's (anchor + cap drafts) without a confidence threshold, else
-    # the buckets up to it; their graphs are compiled now, before the first step.
-    widest = draft_rule.cap + 1
-    fixed_width = not draft_rule.threshold
-    decoder.compile_verify_widths([widest] if fixed_width else verify_widths(widest), sequence[0, -1],
-                                  sequence.shape[1] - 1)  # fmt: skip
-    decoder.prepare("head", widest - 1)  # the readout of the cap's drafts
-    stats.record("verify", start, timer.mark())
-    prompt_len = input_ids.shape[1]
-
-    while sequence.shape[1] - prompt_len < max_new_tokens and last_token not in stop_ids:
-        if decoder.cuda:  # outputs of the previous step's graphs are dead; what is carried over was cloned
-            torch.compiler.cudagraph_mark_step_begin()
-        anchor_pos = sequence.shape[1] - 1
-        anchor = sequence[0, -1].view(1, 1)  # not sequence[:, -1:], whose stride (the length) would recompile
-        budget = min(draft_rule.cap, max_new_tokens - (sequence.shape[1] - prompt_len) - 1)
-        if budget > 0:
-            t0 = timer.mark()
-            positions = torch.tensor([context_len, count], device=device)
-            if features.shape[1] <= block:  # padded to B rows: the fixed-shape graph
-                hidden = decoder.drafter(anchor, _pad_rows(features, block), positions[0], positions[1])
-            else:  # a prompt longer than a block: a prefill of varying length, uncompiled
-                hidden = decoder._draft(anchor, features, positions[0], positions[1])
-            t1 = timer.mark()
-            base = decoder.head(hidden[:, :widest], decoder.head_rows())  # the cap's drafts only: (1, cap, V_d)
-            t2 = timer.mark()
-            noise = gumbel_noise(base.shape, generator=generator, device=base.device) if do_sample else None
-            tokens, q_logits, iterations = decoder.refiner(hidden[:, 1:], base, anchor.view(1), noise, decoder.folded())
-            t3 = timer.mark()
-            stats.record("drafter", t0, t1)
-            stats.record("lm_head", t1, t2)
-            stats.record("refiner", t2, t3)
-            stats.jacobi_iterations.append(int(iterations[0]))
-            context_len = anchor_pos
-            result = RefinementResult(tokens=tokens, logits=q_logits, iterations=iterations)
-            length = draft_length(result, draft_rule.threshold, budget)
-            stats.draft_lengths.append(length)
-            block_drafts = tokens[0]  # (n,): the first W - 1 are verified, the first `length` are accepted from
-        else:  # one token left: the target alone emits it (the drafts are placeholders no acceptance reads)
-            length, q_logits = 0, torch.empty(1, 0)
-            block_drafts = anchor[0].expand(n)
-
-        t_verify = timer.mark()
-        width = widest if fixed_width else verify_width(widest, length + 1)
-        stats.verify_widths.append(width)
-        verify_ids = torch.cat([anchor, block_drafts[: width - 1].view(1, -1)], dim=1)  # (1, W) [anchor, d_1..]
-        p_logits, block_features = decoder.verify(verify_ids, torch.tensor(anchor_pos, device=device))
-        draft = block_drafts[:length]
-        if do_sample:
-            matches, bonus = _accept_sampling(draft, q_logits[0, :length], p_logits[: length + 1], generator)
-        else:
-            matches, bonus = _accept_greedy(draft, p_logits[: length + 1])
-        accepted = torch.cat([draft[:matches], bonus.view(1)])
-        stop_at = torch.isin(accepted, stop).nonzero()
-        if stop_at.numel():
-            accepted = accepted[: int(stop_at[0]) + 1]
-        accepted = accepted[: max_new_tokens - (sequence.shape[1] - prompt_len)]
-        # No crop: the next verification writes from the slot after the accepted tokens. The anchor and the accepted
-        # drafts are the next drafter context: the first matches + 1 rows of this block's features (W >= that).
-        features, count = (block_features.clone() if decoder.cuda else block_features), matches + 1
-        sequence = torch.cat([sequence, accepted.view(1, -1)], dim=1)
-        last_token = int(sequence[0, -1])
-        if length:  # τ counts verification steps of a draft only
-            stats.acceptance_lengths.append(int(accepted.shape[0]))
-        stats.record("verify", t_verify, timer.mark())
-
-    stats.new_tokens = sequence.shape[1] - prompt_len
-    stats.record_total(start, timer.mark())
-    return XPressGenerateOutput(sequences=sequence, stats=stats)
 
 
 __all__ = [
-    "LINEAR_LAYOUTS",
-    "PackedLinear",
-    "WeightMajorLinear",
     "CompiledDecoder",
+    "CompiledGenerationStats",
+    "CompiledSteps",
     "cache_length",
+    "compiled_steps",
+    "jacobi_fixed_iterations",
+    "recompile_limit",
+    "release_compiled_decoders",
     "verify_width",
     "verify_widths",
-    "CompiledGenerationStats",
-    "compiled_spec_generate",
-    "jacobi_fixed_iterations",
-    "linear_layout_kind",
-    "linear_weights",
-    "mkl_packing_available",
-    "pack_weights",
-    "packed_pays",
-    "release_compiled_decoders",
-    "release_packed_weights",
-    "weight_major_pays",
 ]

@@ -21,7 +21,7 @@ DEFAULT_ROPE_THETA = 1_000_000.0
 # target config's `model_type`. A config cannot see modules, and these families have no config field for it (the
 # modules are hard-wired per family), so `model_type` is what a config says about it. Families not listed
 # keep the default (`qk_norm=True`, dFlash's Qwen3 layout); these are also the families whose decoder layers
-# `modeling_xpress.target_init` can copy into the drafter (it checks the modules themselves).
+# `modeling_xpress.training.target_init` can copy into the drafter (it checks the modules themselves).
 TARGET_QK_NORM = {"qwen3": True, "llama": False, "mistral": False}
 # Fields that must hold whole numbers (a float such as 2.5 would be truncated, or fail deep inside torch, later).
 _INTEGER_FIELDS = (
@@ -42,12 +42,21 @@ def is_real(value) -> bool:
 
 
 def check_acceptance(acceptance, block_size: int) -> list[float]:
-    """`acceptance` as a list of floats s_1..s_n (n <= block_size - 1, each in [0, 1]), or a ValueError naming it."""
+    """`acceptance` as a list of floats s_1..s_n (n <= block_size - 1, each in [0, 1], non-increasing: s_k is the
+    fraction of blocks whose first k drafts are accepted, so it cannot grow with k), or a ValueError naming it."""
     values = list(acceptance) if isinstance(acceptance, (list, tuple)) else None
     if not values or len(values) > block_size - 1 or not all(is_real(s) and 0 <= s <= 1 for s in values):
         raise ValueError(
             f"draft_acceptance must be a non-empty list of at most {block_size - 1} (block_size - 1) fractions in "
             f"[0, 1], entry k - 1 the fraction of blocks whose first k drafts are accepted; got {acceptance!r}"
+        )
+    rising = [k for k in range(1, len(values)) if values[k] > values[k - 1]]
+    if rising:
+        raise ValueError(
+            f"draft_acceptance must be non-increasing (entry k - 1 is the fraction of blocks whose first k drafts are "
+            f"accepted, which cannot grow with k), but entry {rising[0]} ({values[rising[0]]}) exceeds entry "
+            f"{rising[0] - 1} ({values[rising[0] - 1]}) in {acceptance!r}: measure it with "
+            "draft_cap.acceptance_from_blocks (examples/choose_draft_length.py)"
         )
     return [float(s) for s in values]
 
@@ -287,7 +296,7 @@ class XPressConfig(PreTrainedConfig):
 
         The drafter copies the target's attention geometry (heads, head_dim, RoPE, norm eps, attention bias, QK-norm
         by `TARGET_QK_NORM`) and MLP (width, activation) unless overridden, so a decoder layer of the target fits the
-        drafter as it is (`modeling_xpress.target_init`); `target_layer_ids` follows dFlash's default rule for the
+        drafter as it is (`modeling_xpress.training.target_init`); `target_layer_ids` follows dFlash's default rule for the
         chosen number of drafter layers.
         """
         text = target_config.get_text_config(decoder=True)

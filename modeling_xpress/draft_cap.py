@@ -1,4 +1,6 @@
-"""How many drafts per block pay on this machine: `spec_generate(..., num_assistant_tokens="auto")`.
+"""Which drafts of a block are verified: the draft-length rule (a cap and a confidence cut, `draft_length`), and the
+cap that pays on this machine (`choose_draft_cap`: `num_assistant_tokens="auto"`, and the default of a checkpoint that
+carries its measured `draft_acceptance`).
 
 A block that verifies its first c drafts commits on average
 
@@ -22,16 +24,16 @@ which leans the choice towards shorter blocks. Outputs never depend on the choic
 This file travels with every saved checkpoint; it imports only torch, transformers and its siblings.
 """
 
-import statistics
+import math
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from .compiled import linear_layout_kind, linear_weights, pack_weights, packed_linear, release_packed_weights
-from .configuration_xpress import check_acceptance
-from .generation import VerificationLayout, WallClock
+from .configuration_xpress import check_acceptance, is_integer, is_real
+from .layout_policy import decoder_policy
+from .refinement import RefinementResult
 
 
 @dataclass
@@ -92,48 +94,13 @@ def best_cap(acceptance: Sequence[float], draft_seconds: float, verify_seconds: 
     return max(range(len(rates)), key=lambda i: (rates[i], -i)) + 1
 
 
-@torch.no_grad()
-def products_seconds(jobs: Sequence[tuple[Sequence[torch.Tensor], int, str]], *, repeats: int = 5) -> list[float]:
-    """Median seconds of each job (weights, rows, layout): one pass of `rows` input rows through every weight in
-    turn, as a forward multiplies them (each weight once, so they stream from memory), in the layout the graphs or
-    the eager loop use (`compiled.linear_layout_kind`): `F.linear(x, W)`, `(W @ x.T).T` ("weight_major") or W's MKL
-    pack for that many rows ("packed"). The unpacked jobs are timed in turn, `repeats` rounds after one untimed
-    round, so a drift in the machine's speed hits them alike; each packed job is timed alone, between packing its
-    weights and dropping the packs it made, so at most one extra copy of the weights is held."""
-    inputs = {}
-    for weights, rows, _ in jobs:
-        for weight in weights:
-            key = (rows, weight.shape[1], weight.dtype, weight.device)
-            if key not in inputs:
-                inputs[key] = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    product = {"input_major": F.linear, "weight_major": lambda x, w: torch.mm(w, x.t()), "packed": packed_linear}
-
-    def sweep(weights, rows, kind):
-        for weight in weights:
-            product[kind](inputs[(rows, weight.shape[1], weight.dtype, weight.device)], weight)
-
-    clock = WallClock(jobs[0][0][0].device)
-    samples = [[] for _ in jobs]
-    in_turn = [i for i, job in enumerate(jobs) if job[2] != "packed"]
-    for round_ in range(repeats + 1):
-        for i in in_turn:
-            start = clock.now()
-            sweep(*jobs[i])
-            if round_:  # the first round warms up
-                samples[i].append(clock.now() - start)
-    for i, (weights, rows, kind) in enumerate(jobs):
-        if kind == "packed":
-            new = pack_weights(weights, rows)
-            for round_ in range(repeats + 1):
-                start = clock.now()
-                sweep(weights, rows, kind)
-                if round_:
-                    samples[i].append(clock.now() - start)
-            release_packed_weights(new, rows)
-    return [statistics.median(times) for times in samples]
-
-
-_CHOICES: dict[tuple, tuple] = {}
+def _kept_choices(xpress) -> dict:
+    """The choices made for this drafter, kept on it (so nothing process-global refers to a model): (target, setting)
+    key -> (weak reference to the target, choice)."""
+    kept = getattr(xpress, "_draft_cap_choices", None)
+    if kept is None:
+        kept = xpress._draft_cap_choices = {}
+    return kept
 
 
 def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = None, compiled: bool = True,
@@ -141,10 +108,8 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     """The number of drafts per block with the most expected tokens per second on this machine (module docstring).
 
     `acceptance`: s_1..s_n (default: the checkpoint's `config.draft_acceptance`); candidates are 1..min(n, `max_cap`,
-    block_size - 1). `compiled`: time the products in the layout `spec_generate(compile=True, linear_layout=...)`'s
-    graphs will use ("auto": MKL-packed or weight-major where that is clearly faster, on a CPU), else as the eager
-    loop runs them (its verification weight-major where that pays, `generation.VerificationLayout`; the drafter as
-    the compiled graph's, `generation.DrafterLayout`; the readout input-major).
+    block_size - 1). `compiled`: time the products in the layouts `spec_generate(compile=True, linear_layout=...)`'s
+    graphs will use, else in the eager loops' (the loops' own `layout_policy.decoder_policy`).
     Each (models, setting, thread count) is timed once per process: a few seconds on a 2-core CPU for SmolLM2 and 15
     candidates.
     """
@@ -161,32 +126,17 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     if max_cap is not None and (not isinstance(max_cap, int) or max_cap < 1):
         raise ValueError(f"max_cap must be a positive integer or None, got {max_cap!r}")
     candidates = min(len(acceptance), block - 1, max_cap or block)
-    key = (id(xpress), id(target), tuple(acceptance), compiled, linear_layout, candidates, torch.get_num_threads(),
+    key = (id(target), tuple(acceptance), compiled, linear_layout, candidates, torch.get_num_threads(),
            target.dtype, xpress.dtype, target.device)  # fmt: skip
-    kept = _CHOICES.get(key)
-    if kept is not None and kept[0] is xpress and kept[1] is target:
-        return kept[2]
+    kept = _kept_choices(xpress).get(key)
+    if kept is not None and kept[0]() is target:
+        return kept[1]
 
-    verification = VerificationLayout(target, linear_layout)  # the eager loop's verification layout
-
-    def graph_layout(weights, rows: int) -> str:  # the readout: input-major in the eager loop
-        return linear_layout_kind(linear_layout, weights, rows) if compiled else "input_major"
-
-    def verify_layout(rows: int) -> str:
-        if compiled:
-            return graph_layout(verification.weights, rows)
-        return "weight_major" if verification.weight_major(rows) else "input_major"
-
-    lm_head = target.get_output_embeddings()
-    readout = xpress.draft_readout(lm_head)
-    readout_weight = [lm_head.weight if readout is None else readout[0]]
-    drafter_weights = linear_weights(xpress)
-    drafter_kind = linear_layout_kind(linear_layout, drafter_weights, block)  # the eager loop's `DrafterLayout` too
-    jobs = [(drafter_weights, block, drafter_kind)]
+    policy = decoder_policy(linear_layout, target, xpress, compiled=compiled)  # the loop's own layouts
+    jobs = [("drafter", block)]
     for cap in range(1, candidates + 1):  # the verification over cap + 1 tokens, the readout of cap drafts
-        jobs += [(verification.weights, cap + 1, verify_layout(cap + 1)),
-                 (readout_weight, cap, graph_layout(readout_weight, cap))]  # fmt: skip
-    seconds = products_seconds(jobs, repeats=repeats)
+        jobs += [("verify", cap + 1), ("head", cap)]
+    seconds = policy.products_seconds(jobs, repeats=repeats)
     draft_seconds = seconds[0]
     verify_seconds = [seconds[2 * c - 1] + seconds[2 * c] for c in range(1, candidates + 1)]
     choice = DraftCapChoice(
@@ -196,5 +146,88 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
         draft_seconds=draft_seconds,
         compiled=compiled,
     )
-    _CHOICES[key] = (xpress, target, choice)
+    _kept_choices(xpress)[key] = (weakref.ref(target), choice)
     return choice
+
+
+@dataclass(frozen=True)
+class DraftLengthRule:
+    """How many drafts of a block go to verification: at most `cap`, cut by cumulative confidence (`draft_length`)."""
+
+    threshold: float | None  # cumulative-confidence threshold; None or 0 = no cut
+    cap: int  # at most this many drafts per block, 1..block_size - 1
+
+
+def draft_length_rule(config, assistant_confidence_threshold=None, num_assistant_tokens=None) -> DraftLengthRule:
+    """The draft-length rule of one generation call: the call's values where given (not None), else the xPress
+    config's (`draft_confidence_threshold`, `num_assistant_tokens`). A cap above the block is clamped to the block."""
+    threshold, cap = assistant_confidence_threshold, num_assistant_tokens
+    # getattr: a checkpoint saved before these fields existed, loaded with its own code (trust_remote_code), has a
+    # config class without them; it keeps verifying whole blocks, as it did.
+    threshold = getattr(config, "draft_confidence_threshold", None) if threshold is None else threshold
+    cap = getattr(config, "num_assistant_tokens", None) if cap is None else cap
+    if threshold is not None and (not is_real(threshold) or not 0 <= threshold <= 1):
+        raise ValueError(
+            f"assistant_confidence_threshold must be None or a number in [0, 1] (0 = no cut), got {threshold!r}"
+        )
+    if cap is not None and (not is_integer(cap) or cap < 1):
+        raise ValueError(f"num_assistant_tokens must be None or an integer >= 1, got {cap!r}")
+    block = config.num_draft_tokens
+    return DraftLengthRule(threshold=threshold, cap=block if cap is None else min(cap, block))
+
+
+def resolve_draft_cap(xpress, target, num_assistant_tokens, *, compiled: bool, linear_layout: str = "auto"):
+    """A call's `num_assistant_tokens` as an int or None (whole blocks): an int as given; "auto" the cap chosen on this
+    machine (`draft_cap.choose_draft_cap`, in the layout of the loop that will run: compiled or eager); None the xPress
+    config's `num_assistant_tokens` if it sets one, else, for a checkpoint that carries its measured
+    `draft_acceptance`, the cap chosen on this machine (the default that pays: on a CPU in fp32 a whole block's
+    verification costs several plain steps), else None. A choice is made once per drafter, target and setting in a
+    process (a few seconds for SmolLM2 on two cores) and kept on the drafter."""
+    if isinstance(num_assistant_tokens, str):
+        if num_assistant_tokens != "auto":
+            raise ValueError(
+                f"num_assistant_tokens must be None (the config's), a positive integer or 'auto' (chosen on this "
+                f"machine from config.draft_acceptance), got {num_assistant_tokens!r}"
+            )
+    elif num_assistant_tokens is not None or getattr(xpress.config, "num_assistant_tokens", None) is not None:
+        return num_assistant_tokens
+    elif getattr(xpress.config, "draft_acceptance", None) is None:
+        return None
+    return choose_draft_cap(xpress, target, compiled=compiled is True, linear_layout=linear_layout).cap
+
+
+def draft_length(result: RefinementResult, threshold: float | None, budget: int) -> int:
+    """How many of the block's first `budget` drafts to verify: up to and including the first draft whose cumulative
+    confidence prod_{j<=k} q_j(x_j) falls below `threshold` (q_j: softmax of `result.logits`, the distribution x_j was
+    drawn from); all `budget` when none does or `threshold` is None/0. At least one draft is always verified.
+
+    Why the first draft below the threshold is still verified: speculative sampling stays lossless when the number of
+    drafts verified is a stopping rule on the drafter's own samples, i.e. whether draft k is verified depends only on
+    drafts 1..k-1 (here: on their cumulative confidence), never on draft k itself. Then, given that k is verified, x_k
+    is still an unconditioned draw from q_k, and the accept/resample step at k yields the target's p_k exactly, as in
+    the standard proof (Leviathan et al., Thm. 1); a cut before k just makes the target's own token the bonus there.
+    Cutting *before* the first low-confidence draft would decide on x_k by its own value: the drafts verified at k
+    would come from q_k restricted to its confident tokens while acceptance divides by q_k, which is biased (q_k =
+    (0.9, 0.1), p_k = (0.5, 0.5), threshold 0.5: the first token would come out with probability 0.55, not 0.5).
+    Greedy output is the target's own whatever the length.
+    """
+    if not threshold or budget <= 1:
+        return budget
+    logits = result.logits[0, :budget].float()  # (m, V)
+    tokens = result.tokens[0, :budget].to(logits.device)
+    log_q = logits.gather(-1, tokens.view(-1, 1))[:, 0] - logits.logsumexp(dim=-1)  # (m,) log q_k(x_k)
+    below = (log_q.cumsum(dim=0) < math.log(threshold)).nonzero()
+    return budget if below.numel() == 0 else int(below[0]) + 1
+
+
+__all__ = [
+    "DraftCapChoice",
+    "DraftLengthRule",
+    "acceptance_from_blocks",
+    "best_cap",
+    "choose_draft_cap",
+    "draft_length",
+    "draft_length_rule",
+    "expected_tokens",
+    "resolve_draft_cap",
+]

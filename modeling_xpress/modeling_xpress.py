@@ -9,7 +9,6 @@ sibling files.
 """
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,8 +21,10 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from .configuration_xpress import XPressConfig
-from .generation import install_generation_hook, spec_generate
-from .refinement import RefinementResult, jacobi_refine, markov_decode, plain_decode
+from .decoding import spec_generate
+from .generation import install_generation_hook
+from .heads import HEADS, CorrectionHead, MarkovHead, NoHead, Readout, XPressRefiner
+from .refinement import RefinementResult, plain_decode
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -109,221 +110,25 @@ class XPressDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-class Readout(nn.Linear):
-    """A head's vocabulary readout W_r (r → V, no bias), initialised to zero: a fresh head adds δ = 0, so it starts as
-    the plain drafter and never hurts a converted one. (A Linear of its own, because transformers skips the init of
-    a module without direct parameters, such as the Markov head, so the head itself cannot zero it.)"""
-
-    def __init__(self, rank: int, vocab_size: int):
-        super().__init__(rank, vocab_size, bias=False)
-
-
-class CorrectionHead(nn.Module):
-    """What every correction head offers the drafter (`config.refiner` picks one from `HEADS`).
-
-    * `forward(hidden, previous)` → δ (b, n, V): the correction of the drafter's logits given its hidden states
-      h_1..h_n (b, n, H) and the previous tokens x_0..x_{n-1} (b, n) — teacher-forced, as training uses it;
-    * `decode(hidden, base_logits, anchor_ids, ...)` → `RefinementResult`: one block's draft tokens and the
-      distribution each was drawn from, however the head resolves its causal dependency;
-    * `init_fresh()`: the state of the head's own tensors before training (its `Readout` starts at zero, so a fresh
-      head adds δ = 0).
-
-    `corrects` is False only for `NoHead` (plain dFlash): there is nothing to train and δ ≡ 0. `iterative` says whether
-    `max_iters` ≥ 1 / `early_exit` change the decode (the Jacobi K sweep applies); `max_iters=0` switches any head
-    off in `XPressModel.refine` (the drafter's own marginals). `decode_name` names the decode in benchmarks.
-    """
-
-    corrects: bool = True
-    iterative: bool = False
-    decode_name: str = ""
-
-    def init_fresh(self) -> None:
-        pass
-
-    def decode(
-        self,
-        hidden: torch.Tensor,
-        base_logits: torch.Tensor,
-        anchor_ids: torch.Tensor,
-        *,
-        to_vocabulary=None,
-        logits_transform=None,
-        noise: torch.Tensor | None = None,
-        max_iters: int,
-        early_exit: bool = True,
-        token_ids: torch.Tensor | None = None,
-    ) -> RefinementResult:
-        """`base_logits` (b, n, V) are over the whole vocabulary; `to_vocabulary` maps the head's δ from its readout
-        (the draft vocabulary) onto it (None: the readout already is the whole vocabulary). With `token_ids` (the
-        draft vocabulary's target ids) `base_logits` and `noise` are over the draft vocabulary instead, like δ
-        (`refinement` module docstring); tokens come back as target ids either way."""
-        raise NotImplementedError
-
-
-@dataclass
-class FoldedRefiner:
-    """Inference form of the refiner's linear front end (paper §4.1, "Low overhead").
-
-    Fuse and Mix are linear, so `W_in` is folded into the token table and the two hidden projections, and the
-    per-channel mixers into one `(r, n, n)` operator `I + L`. The token-independent part of `c` is computed once per
-    block (`prepare`); each Jacobi iteration then costs one table lookup and one r-space mix.
-    """
-
-    token_table: torch.Tensor  # (V, r) = W_e W_in[:, 2r:]^T
-    hidden_weight: torch.Tensor  # (r, H) = W_in[:, :r] W_h
-    global_weight: torch.Tensor  # (r, H) = W_in[:, r:2r] W_g
-    mix: torch.Tensor  # (r, n, n) = I + strictly-lower L
-
-
-class XPressRefiner(CorrectionHead):
-    """The causal refiner R_θ of paper eqs. (5)–(9): δ_k depends on tokens only through x_{<k}.
-
-    Fuse  a_k = W_in [W_h h_k ‖ W_g g ‖ W_e[x_{k-1}]]
-    Mix   c^(d) = (I + L^(d)) a^(d),  L^(d) strictly lower-triangular over the n block positions
-    Trans z_k = c_k + W_2 σ(W_1 c_k)
-    Read  δ_k = W_r z_k   (added to the drafter's logits, never replacing them)
-    """
-
-    iterative = True
-    decode_name = "jacobi"
-
-    def __init__(self, config: XPressConfig):
-        super().__init__()
-        n, r = config.num_draft_tokens, config.refiner_rank
-        self.hidden_proj = nn.Linear(config.hidden_size, r, bias=False)  # W_h
-        self.global_proj = nn.Linear(config.hidden_size, r, bias=False)  # W_g
-        self.token_embed = nn.Embedding(config.vocab_size, r)  # W_e
-        self.fuse = nn.Linear(3 * r, r, bias=False)  # W_in
-        self.mix = nn.Parameter(torch.zeros(r, n, n))  # L; only the strictly-lower triangle is ever used
-        self.up = nn.Linear(r, 2 * r)  # W_1
-        self.down = nn.Linear(2 * r, r)  # W_2
-        self.act = nn.SiLU()  # σ
-        self.readout = Readout(r, config.draft_vocab_size or config.vocab_size)  # W_r, over the draft vocabulary
-        self.register_buffer("causal_mask", torch.tril(torch.ones(n, n), diagonal=-1), persistent=False)
-        self._folded: FoldedRefiner | None = None
-        self._folded_key: tuple | None = None
-
-    def init_fresh(self) -> None:
-        init.zeros_(self.mix)
-        n = self.causal_mask.shape[0]
-        init.copy_(self.causal_mask, torch.tril(torch.ones(n, n), diagonal=-1))
-
-    def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
-               max_iters, early_exit=True, token_ids=None):  # fmt: skip
-        """Jacobi refinement (Algorithm 1) with the folded operators: K parallel passes instead of n serial ones."""
-        return jacobi_refine(
-            self, hidden, base_logits, anchor_ids, to_vocabulary=to_vocabulary, logits_transform=logits_transform,
-            noise=noise, max_iters=max_iters, early_exit=early_exit, token_ids=token_ids,
-        )  # fmt: skip
-
-    def mix_operator(self) -> torch.Tensor:
-        """(r, n, n) operator I + L with L masked to its strictly-lower triangle."""
-        eye = torch.eye(self.causal_mask.shape[0], device=self.mix.device, dtype=self.mix.dtype)
-        return eye + self.mix * self.causal_mask.to(self.mix.dtype)
-
-    def trans_read(self, c: torch.Tensor) -> torch.Tensor:
-        """Trans + Read: (..., n, r) → δ (..., n, V)."""
-        z = c + self.down(self.act(self.up(c)))
-        return self.readout(z)
-
-    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Reference (unfolded) path used in training.
-
-        hidden: (b, n, H) drafter hidden states h_1..h_n; tokens: (b, n) previous tokens x_0..x_{n-1}.
-        Returns δ: (b, n, V).
-        """
-        g = hidden.mean(dim=1, keepdim=True).expand_as(hidden)  # block-global summary, (b, n, H)
-        a = self.fuse(torch.cat([self.hidden_proj(hidden), self.global_proj(g), self.token_embed(tokens)], dim=-1))
-        c = torch.einsum("dkj,bjd->bkd", self.mix_operator(), a)  # (b, n, r)
-        return self.trans_read(c)
-
-    # --- folded inference path -----------------------------------------------------------------------------------
-
-    def folded(self) -> FoldedRefiner:
-        """The folded operators, recomputed only when a parameter changed (tracked by tensor versions)."""
-        params = (self.token_embed.weight, self.fuse.weight, self.hidden_proj.weight, self.global_proj.weight, self.mix)
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
-        if self._folded is None or key != self._folded_key:
-            with torch.no_grad():
-                r = self.fuse.weight.shape[0]
-                w_in = self.fuse.weight  # (r, 3r)
-                self._folded = FoldedRefiner(
-                    token_table=self.token_embed.weight @ w_in[:, 2 * r :].T,
-                    hidden_weight=w_in[:, :r] @ self.hidden_proj.weight,
-                    global_weight=w_in[:, r : 2 * r] @ self.global_proj.weight,
-                    mix=self.mix_operator(),
-                )
-            self._folded_key = key
-        return self._folded
-
-    def prepare(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Token-independent part of c for a block, mixed: (b, n, H) → (b, n, r). Computed once per block."""
-        f = self.folded()
-        g = hidden.mean(dim=1, keepdim=True)
-        a_hidden = hidden @ f.hidden_weight.T + g @ f.global_weight.T  # (b, n, r)
-        return torch.einsum("dkj,bjd->bkd", f.mix, a_hidden)
-
-    def delta_folded(self, prepared: torch.Tensor, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """δ for one Jacobi iteration from `prepare(hidden)` and the current previous tokens (b, n).
-
-        Only positions `start..m-1` are computed, (b, m - start, V), for the tokens' m ≤ n positions: by causality a
-        position whose prefix did not change keeps its δ, so Jacobi recomputes just the tail after the first token
-        that moved, and positions past m never enter.
-        """
-        f = self.folded()
-        m = tokens.shape[1]  # `prepared` may cover only the first m positions (a block decoded in part)
-        c = prepared[:, start:m] + torch.einsum("dkj,bjd->bkd", f.mix[:, start:m, :m], f.token_table[tokens])
-        return self.trans_read(c)
-
-
-class MarkovHead(CorrectionHead):
-    """DSpark's Markov head (paper §5 baseline): δ_k = W_r W_e[x_{k-1}], a bias indexed by the previous token only.
-
-    It is causal by construction but has no view of the drafter's hidden states, and it is decoded serially.
-    """
-
-    decode_name = "serial"
-
-    def __init__(self, config: XPressConfig):
-        super().__init__()
-        self.token_embed = nn.Embedding(config.vocab_size, config.refiner_rank)
-        self.readout = Readout(config.refiner_rank, config.draft_vocab_size or config.vocab_size)
-
-    def bias(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (...) → δ (..., V): the bias of the position after each token."""
-        return self.readout(self.token_embed(tokens))
-
-    def forward(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-        """δ (b, n, V) from the previous tokens alone (the hidden states are not read)."""
-        return self.bias(previous)
-
-    def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
-               max_iters=0, early_exit=True, token_ids=None):  # fmt: skip
-        """The serial decode: n dependent steps, whatever `max_iters` ≥ 1 says (`refine` never calls it with 0)."""
-        return markov_decode(self, base_logits, anchor_ids, to_vocabulary=to_vocabulary,
-                             logits_transform=logits_transform, noise=noise, token_ids=token_ids)  # fmt: skip
-
-
-class NoHead(CorrectionHead):
-    """refiner="none": plain dFlash, every position decoded from the drafter's own marginals. No parameters."""
-
-    corrects = False
-    decode_name = "argmax"
-
-    def __init__(self, config: XPressConfig):
-        super().__init__()
-        self.vocab_size = config.vocab_size
-
-    def forward(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-        return hidden.new_zeros(*previous.shape, self.vocab_size)
-
-    def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
-               max_iters=0, early_exit=True, token_ids=None):  # fmt: skip
-        return plain_decode(base_logits, logits_transform=logits_transform, noise=noise, token_ids=token_ids)
-
-
-# config.refiner → head class. Adding a head is one class here and its name in configuration_xpress.REFINER_TYPES.
-HEADS: dict[str, type[CorrectionHead]] = {"xpress": XPressRefiner, "markov": MarkovHead, "none": NoHead}
+def check_draft_token_ids(ids: torch.Tensor, size: int, vocab_size: int, where: str = "draft vocabulary") -> None:
+    """A draft vocabulary is `size` distinct target ids in 0..vocab_size - 1: a ValueError naming what is wrong.
+    Duplicates are not harmless: the drafter's q of a repeated token is split over its rows, while the token is drawn
+    with their summed probability, so sampling would lose losslessness without any error."""
+    ids = ids.flatten()
+    if ids.shape[0] != size:
+        raise ValueError(f"{where}: need {size} token ids (config.draft_vocab_size), got {ids.shape[0]}")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel():
+        raise ValueError(
+            f"{where}: ids {bad[:8].tolist()} are outside the target vocabulary (0..{vocab_size - 1}); rebuild it "
+            "with training.frequency_ranked_vocabulary and set it with xpress.set_draft_vocabulary(ids)"
+        )
+    unique, counts = ids.unique(return_counts=True)
+    if unique.shape[0] != ids.shape[0]:
+        raise ValueError(
+            f"{where}: need {size} distinct token ids, got duplicate ids {unique[counts > 1][:8].tolist()} "
+            f"({unique.shape[0]} distinct); rebuild it and set it with xpress.set_draft_vocabulary(ids)"
+        )
 
 
 class XPressPreTrainedModel(PreTrainedModel):
@@ -498,6 +303,8 @@ class XPressModel(XPressPreTrainedModel):
         ids, weight, bias = self.draft_token_ids, lm_head.weight, getattr(lm_head, "bias", None)
         key = (weight.data_ptr(), weight._version, weight.dtype, ids.data_ptr(), ids._version, ids.device)
         if self._draft_head_cache is None or self._draft_head_cache[0] != key:
+            if self._draft_head_cache is None or self._draft_head_cache[0][3:] != key[3:]:  # new or changed ids
+                check_draft_token_ids(ids, self.config.draft_vocab_size, lm_head.weight.shape[0])
             with torch.no_grad():
                 rows = (weight.index_select(0, ids), None if bias is None else bias.index_select(0, ids))
             self._draft_head_cache = (key, rows)
@@ -526,13 +333,7 @@ class XPressModel(XPressPreTrainedModel):
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
         if self.draft_token_ids is None:
             raise ValueError("this drafter has no draft vocabulary: build its config with draft_vocab_size=<size>")
-        if ids.shape[0] != self.draft_token_ids.shape[0] or ids.unique().shape[0] != ids.shape[0]:
-            raise ValueError(
-                f"need {self.draft_token_ids.shape[0]} distinct token ids (config.draft_vocab_size), got {ids.shape[0]} "
-                f"ids of which {ids.unique().shape[0]} distinct"
-            )
-        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
-            raise ValueError(f"draft vocabulary ids must lie in 0..{self.config.vocab_size - 1}")
+        check_draft_token_ids(ids, self.config.draft_vocab_size, self.config.vocab_size)
         self.draft_token_ids.copy_(ids.to(self.draft_token_ids.device))
 
     # --- refinement ----------------------------------------------------------------------------------------------
@@ -618,6 +419,18 @@ class XPressModel(XPressPreTrainedModel):
         return choose_draft_cap(self, target, **kwargs)
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, then the stored draft vocabulary is checked (`check_draft_token_ids`):
+        a folder whose `draft_token_ids` repeat an id would draft that token with the wrong probability, which
+        verification cannot see, so it is refused here instead."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if model.draft_token_ids is not None:
+            check_draft_token_ids(model.draft_token_ids, model.config.draft_vocab_size, model.config.vocab_size,
+                                  where="the checkpoint's draft_token_ids")  # fmt: skip
+        return loaded
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
         """Save a self-contained Hub folder: config with `auto_map`, safetensors, the modeling code files,

@@ -9,10 +9,12 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 import modeling_xpress.compiled as compiled
+import modeling_xpress.cpu_layouts as layouts
+from modeling_xpress.policy import linear_weights
 from modeling_xpress.compiled import (
     CompiledDecoder, CompiledGenerationStats, compiled_decoder, jacobi_fixed_iterations, release_compiled_decoders,
 )  # fmt: skip
-from modeling_xpress.generation import sampling_processors
+from modeling_xpress.processors import sampling_processors
 from modeling_xpress.refinement import decode, gumbel_noise, jacobi_refine
 from tests.builders import perfect_head, permutation_target, tiny_llama, tiny_qwen3, tiny_xpress
 from tests.test_sampling import DRAWS, LENGTH, PROMPT, VOCAB, chi_square_pvalue, exact_distribution
@@ -223,7 +225,7 @@ def test_the_compiled_test_detects_a_wrong_q(sampling_pair, monkeypatch):
         return result
 
     monkeypatch.setattr(compiled, "jacobi_fixed_iterations", wrong_q)
-    monkeypatch.setattr(compiled, "_DECODERS", type(compiled._DECODERS)())  # a fresh decoder traces `wrong_q`
+    release_compiled_decoders(xpress)  # a fresh decoder traces `wrong_q`
     samples = draw(xpress, target, compile=True, seed=2, temperature=1.0)
     assert chi_square_pvalue(samples, exact_distribution(target, LogitsProcessorList())) < 1e-3
 
@@ -279,15 +281,15 @@ def test_target_static_cache_needs_no_crop(drafters, target_name):
     a fresh forward over the committed tokens, although the cache still holds the rejected drafts and, beyond them,
     garbage (stale slots are never cleared; the causal mask by position hides them)."""
     target, xpress = drafters(target_name, "none")
-    decoder = CompiledDecoder(xpress, target, 64, 0.0, None, None)
+    decoder = CompiledDecoder(xpress, target, 64, None)
     ids = prompt(96, 6, seed=3)
     decoder.prefill(ids)
     fill_with_garbage(decoder.target_cache)  # the prompt's slots too: prefill them again
     decoder.prefill(ids)
     first = torch.randint(0, 96, (1, 8))
-    decoder._verify(first, torch.tensor(6))  # writes slots 6..13
+    decoder._verify(first, torch.tensor(6), None)  # writes slots 6..13
     second = torch.randint(0, 96, (1, 8))
-    logits, features = decoder._verify(second, torch.tensor(9))  # keeps first[:3]; slots 14.. hold garbage
+    logits, features = decoder._verify(second, torch.tensor(9), None)  # keeps first[:3]; slots 14.. hold garbage
     committed = torch.cat([ids, first[:, :3], second], dim=1)
     reference = target(committed, output_hidden_states=True)
     assert torch.allclose(logits, reference.logits[0, 9:].float(), atol=1e-4)
@@ -301,7 +303,7 @@ def test_drafter_static_cache_needs_no_crop(drafters):
     """The drafter on a static cache with padded context: the block's hidden states equal the eager drafter's on a
     dynamic cache cropped after every step, with rejected blocks, padding rows and garbage left in the slots."""
     target, xpress = drafters("llama", "xpress")
-    decoder = CompiledDecoder(xpress, target, 64, 0.0, None, None)
+    decoder = CompiledDecoder(xpress, target, 64, None)
     fill_with_garbage(decoder.draft_cache)
     features = torch.randn(1, 30, xpress.fc.in_features)
     embed = target.get_input_embeddings()
@@ -435,7 +437,7 @@ def test_weight_major_linear_computes_f_linear():
     larger inputs and other functions alone."""
     torch.manual_seed(0)
     weight, bias = torch.randn(50, 12), torch.randn(50)
-    mode = compiled.WeightMajorLinear(max_rows=6)
+    mode = layouts.WeightMajorLinear(max_rows=6)
     for x in (torch.randn(3, 12), torch.randn(1, 5, 12), torch.randn(2, 3, 12)):
         for args, kwargs in (((x, weight), {}), ((x, weight, bias), {}), ((x, weight), {"bias": bias})):
             expected = torch.nn.functional.linear(*args, **kwargs)
@@ -458,7 +460,7 @@ def test_weight_major_linear_is_used_for_small_inputs_only(monkeypatch):
 
     monkeypatch.setattr(torch, "mm", counting_mm)
     weight = torch.randn(50, 12)
-    with compiled.WeightMajorLinear(max_rows=6):
+    with layouts.WeightMajorLinear(max_rows=6):
         torch.nn.functional.linear(torch.randn(7, 12), weight)
         assert seen == []
         torch.nn.functional.linear(torch.randn(1, 4, 12), weight)
@@ -481,7 +483,7 @@ def test_linear_layout_choice(drafters, monkeypatch):
     target, xpress = drafters("llama", "xpress")
     block = xpress.config.block_size
     for layout, expected in (("input_major", frozenset()), ("weight_major", every_graph(block))):
-        decoder = CompiledDecoder(xpress, target, 64, 0.0, None, None, layout)
+        decoder = CompiledDecoder(xpress, target, 64, None, layout)
         prepare_every_graph(decoder)
         assert decoder.weight_major == expected
     asked = []
@@ -490,10 +492,10 @@ def test_linear_layout_choice(drafters, monkeypatch):
         asked.append((len(weights), rows))
         return len(weights) > 1 and rows in (3, 5)
 
-    monkeypatch.setattr(compiled, "weight_major_pays", stub)
-    monkeypatch.setattr(compiled, "packed_pays", lambda weights, rows, repeats=5: False)
-    decoder = CompiledDecoder(xpress, target, 64, 0.0, None, None, "auto")
-    n_target, n_drafter = len(compiled.linear_weights(target)), len(compiled.linear_weights(xpress))
+    monkeypatch.setattr(layouts, "weight_major_pays", stub)
+    monkeypatch.setattr(layouts, "packed_pays", lambda weights, rows, repeats=5: False)
+    decoder = CompiledDecoder(xpress, target, 64, None, "auto")
+    n_target, n_drafter = len(linear_weights(target)), len(linear_weights(xpress))
     assert asked == [(n_drafter, block)] and set(decoder.layouts) == {("drafter", block)}
     decoder.prepare("verify", 3)
     decoder.prepare("verify", 3)  # decided once
@@ -509,31 +511,31 @@ def test_auto_prefers_packed_where_it_pays(drafters, monkeypatch):
     packing does not, input-major elsewhere; a packed graph's weights are packed when it is prepared, again after a
     release, and no other graph's."""
     target, xpress = drafters("llama", "none")
-    monkeypatch.setattr(compiled, "weight_major_pays", lambda weights, rows, repeats=5: len(weights) > 1 and rows < 6)
-    monkeypatch.setattr(compiled, "packed_pays", lambda weights, rows, repeats=5: len(weights) > 1 and rows == 4)
-    compiled.release_packed_weights()
-    decoder = CompiledDecoder(xpress, target, 64, 0.0, None, None, "auto")
-    assert not compiled._PACKS  # the drafter is not a packed graph here
+    monkeypatch.setattr(layouts, "weight_major_pays", lambda weights, rows, repeats=5: len(weights) > 1 and rows < 6)
+    monkeypatch.setattr(layouts, "packed_pays", lambda weights, rows, repeats=5: len(weights) > 1 and rows == 4)
+    layouts.release_packed_weights()
+    decoder = CompiledDecoder(xpress, target, 64, None, "auto")
+    assert not layouts._PACKS  # the drafter is not a packed graph here
     decoder.prepare("verify", 3)  # weight-major: nothing packed
-    assert not compiled._PACKS
+    assert not layouts._PACKS
     decoder.prepare("verify", 4)
-    target_packs = {(w.data_ptr(), 4) for w in compiled.linear_weights(target)}
-    assert target_packs == set(compiled._PACKS)
-    compiled.release_packed_weights()
+    target_packs = {(w.data_ptr(), 4) for w in linear_weights(target)}
+    assert target_packs == set(layouts._PACKS)
+    layouts.release_packed_weights()
     decoder.prepare("verify", 4)  # released by hand: packed again at the next preparation
-    assert target_packs == set(compiled._PACKS)
+    assert target_packs == set(layouts._PACKS)
     prepare_every_graph(decoder)
     assert decoder.packed == {("verify", 4)}
     assert decoder.weight_major == {("verify", w) for w in (1, 2, 3, 5)}
-    compiled.release_packed_weights()
+    layouts.release_packed_weights()
 
 
 def test_weight_major_pays_times_real_weights():
     """The timing itself runs on any weights and returns a decision; each (shape, dtype, rows, threads) is timed once."""
     weights = [torch.randn(64, 16), torch.randn(64, 16), torch.randn(16, 64)]
-    compiled._LAYOUT_TIMINGS.clear()
-    assert compiled.weight_major_pays(weights, rows=3, repeats=3) in (True, False)
-    assert len(compiled._LAYOUT_TIMINGS) == 2  # two distinct shapes
+    layouts._LAYOUT_TIMINGS.clear()
+    assert layouts.weight_major_pays(weights, rows=3, repeats=3) in (True, False)
+    assert len(layouts._LAYOUT_TIMINGS) == 2  # two distinct shapes
 
 
 @pytest.mark.parametrize("target_name", list(TARGETS))
@@ -556,7 +558,7 @@ def test_weight_major_sampling_equals_eager_draw_for_draw(sampling_pair):
     assert samples == draw(xpress, target, compile=False, seed=9, draws=25, temperature=1.0)
 
 
-needs_packing = pytest.mark.skipif(not compiled.mkl_packing_available(), reason="no MKL packed GEMM in this build")
+needs_packing = pytest.mark.skipif(not layouts.mkl_packing_available(), reason="no MKL packed GEMM in this build")
 
 
 @needs_packing
@@ -566,10 +568,10 @@ def test_packed_linear_computes_f_linear():
     is repacked at its next use, so the product follows it."""
     torch.manual_seed(0)
     weight, bias, other = torch.randn(50, 12), torch.randn(50), torch.randn(50, 12)
-    compiled.release_packed_weights()
+    layouts.release_packed_weights()
     for rows in (1, 3, 4, 5):
-        compiled.pack_weights([weight], rows)
-    mode = compiled.PackedLinear(max_rows=6)
+        layouts.pack_weights([weight], rows)
+    mode = layouts.PackedLinear(max_rows=6)
     for x in (torch.randn(3, 12), torch.randn(1, 5, 12), torch.randn(4, 1, 12), torch.randn(1, 12)):
         for args, kwargs in (((x, weight), {}), ((x, weight, bias), {}), ((x, weight), {"bias": bias})):
             expected = torch.nn.functional.linear(*args, **kwargs)
@@ -587,7 +589,7 @@ def test_packed_linear_computes_f_linear():
     assert torch.equal(no_pack_for_rows, torch.nn.functional.linear(x[:2], weight))
     assert larger.shape == (7, 50)
     # Not a no-op: the product reads the kept pack for its rows (here, deliberately, another weight's).
-    compiled._PACKS[weight.data_ptr(), 4] = (weight, weight._version, compiled._pack(other, 4))
+    layouts._PACKS[weight.data_ptr(), 4] = (weight.shape, weight.stride(), weight._version, layouts._pack(other, 4))
     with mode:
         assert torch.allclose(torch.nn.functional.linear(x, weight), torch.nn.functional.linear(x, other), atol=1e-5)
     with torch.no_grad():
@@ -595,11 +597,11 @@ def test_packed_linear_computes_f_linear():
     with mode:
         out = torch.nn.functional.linear(x, weight)
     assert torch.allclose(out, torch.nn.functional.linear(x, weight), atol=1e-5)
-    assert compiled.pack_weights([weight], 4) == [] and compiled.pack_weights([weight], 2) == [weight]
-    compiled.release_packed_weights([weight], 2)
-    assert (weight.data_ptr(), 2) not in compiled._PACKS and (weight.data_ptr(), 4) in compiled._PACKS
-    compiled.release_packed_weights()
-    assert not compiled._PACKS
+    assert layouts.pack_weights([weight], 4) == [] and layouts.pack_weights([weight], 2) == [weight]
+    layouts.release_packed_weights([weight], 2)
+    assert (weight.data_ptr(), 2) not in layouts._PACKS and (weight.data_ptr(), 4) in layouts._PACKS
+    layouts.release_packed_weights()
+    assert not layouts._PACKS
 
 
 @needs_packing
@@ -617,7 +619,7 @@ def test_packed_graphs_equal_target_greedy_and_eager(drafters, target_name):
         assert "verify:8" in out.stats.packed_graphs and "drafter:8" in out.stats.as_dict()["packed_graphs"]
         assert out.stats.weight_major_graphs == []
         # the verification's width and the drafter's rows have packs, which the graphs read
-        assert all((w.data_ptr(), 8) in compiled._PACKS for w in compiled.linear_weights(target, xpress))
+        assert all((w.data_ptr(), 8) in layouts._PACKS for w in linear_weights(target, xpress))
 
 
 @needs_packing
@@ -633,15 +635,15 @@ def test_packed_layout_errors(drafters, monkeypatch):
     ids = prompt(96, 4)
     with pytest.raises(ValueError, match="packed.*compile=True"):
         xpress.spec_generate(target, ids, max_new_tokens=4, linear_layout="packed")
-    if compiled.mkl_packing_available():
+    if layouts.mkl_packing_available():
         bf16_target = tiny_llama().to(torch.bfloat16)
         bf16_xpress = tiny_xpress(bf16_target, refiner="none")
         with pytest.raises(ValueError, match="packs float32 weights.*torch.bfloat16"):
             bf16_xpress.spec_generate(bf16_target, ids, max_new_tokens=4, compile=True, linear_layout="packed")
-    monkeypatch.setattr(compiled, "_PACKING_WORKS", [False])
+    monkeypatch.setattr(layouts, "_PACKING_WORKS", [False])
     with pytest.raises(ValueError, match="MKL's packed GEMM"):
-        CompiledDecoder(xpress, target, 64, 0.0, None, None, "packed")
-    assert not compiled.packed_pays(compiled.linear_weights(target), 4)  # auto never picks it then
+        CompiledDecoder(xpress, target, 64, None, "packed")
+    assert not layouts.packed_pays(linear_weights(target), 4)  # auto never picks it then
 
 
 def test_linear_layout_errors(drafters):
@@ -659,9 +661,9 @@ def test_inference_tensor_weights_pack():
     multiplies like any other."""
     with torch.inference_mode():
         weight, x = torch.randn(24, 16), torch.randn(4, 16)
-        compiled.pack_weights([weight], 4)
-        with compiled.PackedLinear(max_rows=4):
+        layouts.pack_weights([weight], 4)
+        with layouts.PackedLinear(max_rows=4):
             out = torch.nn.functional.linear(x, weight)
-    assert (weight.data_ptr(), 4) in compiled._PACKS
+    assert (weight.data_ptr(), 4) in layouts._PACKS
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight))
-    compiled.release_packed_weights()
+    layouts.release_packed_weights()

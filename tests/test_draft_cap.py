@@ -10,8 +10,8 @@ cap; and the errors a user sees.
 import pytest
 import torch
 
-import modeling_xpress.compiled as compiled
-import modeling_xpress.draft_cap as draft_cap
+import modeling_xpress.cpu_layouts as layouts
+from modeling_xpress.policy import linear_weights
 from modeling_xpress import XPressConfig
 from modeling_xpress.draft_cap import acceptance_from_blocks, best_cap, choose_draft_cap, expected_tokens
 from tests.builders import perfect_head, permutation_target, tiny_llama, tiny_xpress
@@ -65,10 +65,10 @@ def test_the_timed_costs_go_where_the_rule_reads_them(monkeypatch):
         calls.append(len(jobs))
         return [1e-6 * rows * sum(w.shape[0] for w in weights) for weights, rows, _ in jobs]
 
-    monkeypatch.setattr(draft_cap, "products_seconds", cost)
+    monkeypatch.setattr(layouts, "products_seconds", cost)
     choice = choose_draft_cap(xpress, target, compiled=False)
-    target_rows = sum(w.shape[0] for w in draft_cap.linear_weights(target))
-    drafter_rows = sum(w.shape[0] for w in draft_cap.linear_weights(xpress))
+    target_rows = sum(w.shape[0] for w in linear_weights(target))
+    drafter_rows = sum(w.shape[0] for w in linear_weights(xpress))
     readout_rows = target.get_output_embeddings().weight.shape[0]
     verify = [1e-6 * ((c + 1) * target_rows + c * readout_rows) for c in range(1, 8)]
     draft = 1e-6 * 8 * drafter_rows
@@ -84,27 +84,27 @@ def test_the_timed_costs_go_where_the_rule_reads_them(monkeypatch):
     assert len(choose_draft_cap(xpress, target, compiled=False, max_cap=2).verify_seconds) == 2
 
 
-@pytest.mark.skipif(not compiled.mkl_packing_available(), reason="no MKL packed GEMM in this build")
+@pytest.mark.skipif(not layouts.mkl_packing_available(), reason="no MKL packed GEMM in this build")
 def test_packed_products_are_timed_with_packs_and_leave_none(monkeypatch):
     """A packed job is timed with its weights packed for its rows, and the packs it made are dropped afterwards
     (packs a decoder made before stay)."""
     weights = [torch.randn(64, 16), torch.randn(16, 64)]
-    compiled.release_packed_weights()
-    compiled.pack_weights(weights[:1], 3)
+    layouts.release_packed_weights()
+    layouts.pack_weights(weights[:1], 3)
     seen = []
-    real = compiled._packed_linear
+    real = layouts._packed_linear
 
     def spy(x, weight):
-        seen.append((weight.data_ptr(), x.shape[0]) in compiled._PACKS)
+        seen.append((weight.data_ptr(), x.shape[0]) in layouts._PACKS)
         return real(x, weight)
 
-    seconds = draft_cap.products_seconds([(weights, 3, "packed"), (weights, 2, "input_major")], repeats=2)
+    seconds = layouts.products_seconds([(weights, 3, "packed"), (weights, 2, "input_major")], repeats=2)
     assert len(seconds) == 2 and all(t > 0 for t in seconds)
-    assert set(compiled._PACKS) == {(weights[0].data_ptr(), 3)}
-    monkeypatch.setattr(draft_cap, "packed_linear", spy)  # the operator's kernel, watched through a stand-in
-    draft_cap.products_seconds([(weights, 3, "packed")], repeats=1)
+    assert set(layouts._PACKS) == {(weights[0].data_ptr(), 3)}
+    monkeypatch.setattr(layouts, "packed_linear", spy)  # the operator's kernel, watched through a stand-in
+    layouts.products_seconds([(weights, 3, "packed")], repeats=1)
     assert seen and all(seen)
-    compiled.release_packed_weights()
+    layouts.release_packed_weights()
 
 
 @pytest.mark.parametrize("compile", [False, True])

@@ -1,6 +1,6 @@
 """A draft length that pays (issue 10 item 4): only the confident head of each block is verified.
 
-The rule (`generation.draft_length`): verify drafts up to and including the first whose cumulative confidence
+The rule (`draft_cap.draft_length`): verify drafts up to and including the first whose cumulative confidence
 prod_{j<=k} q_j(x_j) falls below the threshold, at most `num_assistant_tokens`. The tests pin: greedy identity through
 both entry points with the cut on; the lengths follow the rule block by block on a pair whose confidences are
 designed, and respect the cap; which setting wins (call over xPress config); sampling stays lossless (χ²); and
@@ -13,8 +13,9 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from modeling_xpress import XPressConfig, generation
-from modeling_xpress.generation import draft_length, draft_length_rule, generation_config_draft_settings
+from modeling_xpress import XPressConfig, decoding
+from modeling_xpress.draft_cap import draft_length, draft_length_rule
+from modeling_xpress.generation import generation_config_draft_settings
 from modeling_xpress.refinement import gumbel_noise, jacobi_refine, plain_decode
 from tests.builders import perfect_head, permutation_target, tiny_llama, tiny_xpress
 from tests.test_sampling import (  # noqa: F401 (`target` is the χ² test's fixture)
@@ -175,7 +176,7 @@ def test_sampling_with_a_threshold_is_lossless(target, monkeypatch):  # noqa: F8
         calls.append((budget, draft_length(result, threshold, budget)))
         return calls[-1][1]
 
-    monkeypatch.setattr(generation, "draft_length", spy)
+    monkeypatch.setattr(decoding, "draft_length", spy)
     samples = draw_with_spec_generate(xpress, target, seed=4)
     cut = [verified for budget, verified in calls if verified < budget]
     assert len(cut) > len(calls) / 5 and len(set(cut)) >= 2  # the threshold really cut, at varying depths

@@ -6,7 +6,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from modeling_xpress import XPressConfig, XPressModel
-from modeling_xpress.generation import sampling_processors
+from modeling_xpress.processors import sampling_processors
 from modeling_xpress.training import (
     distribution_loss,
     frequency_ranked_vocabulary,
@@ -83,7 +83,7 @@ def test_decoding_over_the_draft_vocabulary_equals_decoding_over_the_whole_one(t
     """`refine` given the drafter's logits over its draft vocabulary (the fast path: every Jacobi iteration works on
     V_d-wide logits) returns the tokens and the whole-vocabulary q of `refine` given them over the whole vocabulary,
     greedy and sampling (temperature, top-k, top-p; the same Gumbel draws on the draft vocabulary's ids)."""
-    from modeling_xpress.generation import processors_transform
+    from modeling_xpress.processors import processors_transform
 
     torch.manual_seed(3)
     vocabulary = torch.randperm(96)[:40].tolist()  # not sorted: draft indices are not target ids
@@ -120,7 +120,7 @@ def test_only_id_blind_processors_decode_over_the_draft_vocabulary(target):
     whole vocabulary, and greedy decoding with it is still the target's own."""
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from modeling_xpress.generation import vocabulary_local
+    from modeling_xpress.processors import vocabulary_local
 
     assert vocabulary_local(None) and vocabulary_local(LogitsProcessorList())
     assert vocabulary_local(sampling_processors(0.7, 5, 0.9))
@@ -166,7 +166,7 @@ def test_draft_vocabulary_round_trips_and_refuses_bad_ids(target, tmp_path):
     assert loaded.config.draft_vocab_size == 4 and loaded.draft_token_ids.tolist() == [5, 9, 2, 77]
     with pytest.raises(ValueError, match="need 4 distinct token ids"):
         loaded.set_draft_vocabulary([1, 1, 2, 3])
-    with pytest.raises(ValueError, match="draft vocabulary ids must lie in 0..95"):
+    with pytest.raises(ValueError, match=r"ids \[96\] are outside the target vocabulary \(0..95\)"):
         loaded.set_draft_vocabulary([1, 2, 3, 96])
     with pytest.raises(ValueError, match="draft_vocab_size must be None .* or an integer in 1..96, got 97"):
         XPressConfig.from_target_config(target.config, draft_vocab_size=97)

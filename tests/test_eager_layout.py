@@ -1,14 +1,15 @@
-"""The eager loops verify in the CPU's faster layout (`generation.VerificationLayout`): `spec_generate(compile=False)`
-and `generate(assistant_model=xpress)` run the target's few-row verification weight-major where that pays, as the
-compiled graphs do. The tests pin: the greedy output is the target's either way; the layout really changes (torch.mm
-with a weight as left operand); in `generate` only the verification forwards are changed, and no hook outlives the
-call. Their drafter runs in the compiled drafter graph's layout (`generation.DrafterLayout`): MKL-packed weights
+"""The eager loops verify in the CPU's faster layout (their `layout_policy.decoder_policy(compiled=False)`):
+`spec_generate(compile=False)` and `generate(assistant_model=xpress)` run the target's few-row verification
+weight-major where that pays, as the compiled graphs do. The tests pin: the greedy output is the target's either way;
+the layout really changes (torch.mm with a weight as left operand); in `generate` only the verification forwards are
+changed, and no hook outlives the call. Their drafter runs in the compiled drafter graph's layout: MKL-packed weights
 where those pay, with the same outputs."""
 
 import pytest
 import torch
 
-import modeling_xpress.compiled as compiled
+import modeling_xpress.cpu_layouts as layouts
+from modeling_xpress.policy import linear_weights
 from tests.builders import tiny_llama, tiny_xpress
 
 IDS = torch.tensor([[3, 7, 1, 12]])
@@ -38,7 +39,7 @@ def pair():
 def test_spec_generate_eager_verification_layout(layout, weight_products):
     seen, weights = weight_products
     target, xpress = pair()
-    weights.update({id(w): w for w in compiled.linear_weights(target)})
+    weights.update({id(w): w for w in linear_weights(target)})
     reference = target.generate(IDS, max_new_tokens=30, do_sample=False)
     seen.clear()
     out = xpress.spec_generate(target, IDS, max_new_tokens=30, stop_token_ids=[], linear_layout=layout)
@@ -54,8 +55,8 @@ def test_spec_generate_eager_verification_layout(layout, weight_products):
 def test_generate_verifies_in_the_layout_that_pays_and_leaves_no_hook(pays, weight_products, monkeypatch):
     seen, weights = weight_products
     target, xpress = pair()
-    weights.update({id(w): w for w in compiled.linear_weights(target)})
-    monkeypatch.setattr(compiled, "weight_major_pays", lambda weights, rows, repeats=5: pays)
+    weights.update({id(w): w for w in linear_weights(target)})
+    monkeypatch.setattr(layouts, "weight_major_pays", lambda weights, rows, repeats=5: pays)
     reference = target.generate(IDS, max_new_tokens=30, do_sample=False)
     assert seen == []  # plain generate: never
     out = target.generate(IDS, max_new_tokens=30, do_sample=False, assistant_model=xpress)
@@ -72,8 +73,8 @@ def test_a_failed_verification_leaves_no_mode_behind(weight_products, monkeypatc
     """An exception inside the verification forward: the post-hook still leaves the mode and removes the hooks."""
     seen, weights = weight_products
     target, xpress = pair()
-    weights.update({id(w): w for w in compiled.linear_weights(target)})
-    monkeypatch.setattr(compiled, "weight_major_pays", lambda weights, rows, repeats=5: True)
+    weights.update({id(w): w for w in linear_weights(target)})
+    monkeypatch.setattr(layouts, "weight_major_pays", lambda weights, rows, repeats=5: True)
     calls = {"n": 0}
     forward = target.model.forward
 
@@ -98,12 +99,14 @@ def test_a_forward_that_is_not_the_verification_only_disarms(weight_products, mo
     and they are gone."""
     seen, weights = weight_products
     target, xpress = pair()
-    weights.update({id(w): w for w in compiled.linear_weights(target)})
-    monkeypatch.setattr(compiled, "weight_major_pays", lambda weights, rows, repeats=5: True)
-    from modeling_xpress.generation import VerificationLayout, XPressCandidateGenerator
+    weights.update({id(w): w for w in linear_weights(target)})
+    monkeypatch.setattr(layouts, "weight_major_pays", lambda weights, rows, repeats=5: True)
+    from modeling_xpress.generation import XPressCandidateGenerator
+    from modeling_xpress.layout_policy import decoder_policy
 
     generator = XPressCandidateGenerator.__new__(XPressCandidateGenerator)  # only the hook bookkeeping is exercised
-    generator.target, generator.layout, generator._hooks = target, VerificationLayout(target), []
+    generator.target, generator._hooks = target, []
+    generator.policy = decoder_policy("auto", target, xpress, compiled=False)
     generator._arm_verification(4)
     assert target._forward_pre_hooks and target._forward_hooks
     reference = target(input_ids=IDS[:, :3]).logits  # 3 tokens, not the armed 4 (the mode would take them too)
@@ -116,8 +119,8 @@ def test_a_forward_that_is_not_the_verification_only_disarms(weight_products, mo
 
 def test_drafter_layout_follows_the_compiled_drafter_rule(monkeypatch):
     """The eager drafter's layout is `linear_layout_kind` at B rows, decided once: packed where that pays, else
-    weight-major where that pays, else input-major; forced layouts as asked."""
-    from modeling_xpress.generation import DrafterLayout
+    weight-major where that pays, else input-major; forced layouts as asked. The eager readout is never tuned."""
+    from modeling_xpress.layout_policy import decoder_policy
 
     target, xpress = pair()
     asked = []
@@ -126,41 +129,46 @@ def test_drafter_layout_follows_the_compiled_drafter_rule(monkeypatch):
         asked.append(rows)
         return True
 
-    monkeypatch.setattr(compiled, "packed_pays", packed_pays)
-    monkeypatch.setattr(compiled, "weight_major_pays", lambda weights, rows, repeats=5: True)
-    layout = DrafterLayout(xpress)
-    assert (layout.kind, layout.kind) == ("packed", "packed") and asked == [8]
-    monkeypatch.setattr(compiled, "packed_pays", lambda weights, rows, repeats=3: False)
-    assert DrafterLayout(xpress).kind == "weight_major"
-    assert DrafterLayout(xpress, "input_major").kind == "input_major"
-    assert DrafterLayout(xpress, "weight_major").kind == "weight_major"
+    def drafter_kind(linear_layout="auto"):
+        return decoder_policy(linear_layout, target, xpress, compiled=False).kind("drafter", 8)
+
+    monkeypatch.setattr(layouts, "packed_pays", packed_pays)
+    monkeypatch.setattr(layouts, "weight_major_pays", lambda weights, rows, repeats=5: True)
+    policy = decoder_policy("auto", target, xpress, compiled=False)
+    assert (policy.kind("drafter", 8), policy.kind("drafter", 8)) == ("packed", "packed") and asked == [8]
+    assert policy.kind("head", 3) == "input_major"
+    assert policy.kind("verify", 4) == "weight_major"  # the eager verification never packs
+    monkeypatch.setattr(layouts, "packed_pays", lambda weights, rows, repeats=3: False)
+    assert drafter_kind() == "weight_major"
+    assert drafter_kind("input_major") == "input_major"
+    assert drafter_kind("weight_major") == "weight_major"
     with pytest.raises(ValueError, match="linear_layout must be one of"):
-        DrafterLayout(xpress, "transposed")
+        drafter_kind("transposed")
 
 
 @pytest.fixture
 def packed_products(monkeypatch):
     """Every product `PackedLinear` computes, as (weight, rows); "auto" made to pack (MKL's packs are exact up to
     rounding; the timing that decides it is tested in test_compiled)."""
-    if not compiled.mkl_packing_available():
+    if not layouts.mkl_packing_available():
         pytest.skip("this torch build has no MKL packed GEMM")
-    seen, product = [], compiled.PackedLinear.product
+    seen, product = [], layouts.PackedLinear.product
 
     def counting(self, x, weight):
         seen.append((weight, x.shape[0]))
         return product(self, x, weight)
 
-    monkeypatch.setattr(compiled.PackedLinear, "product", counting)
-    monkeypatch.setattr(compiled, "packed_pays", lambda weights, rows, repeats=3: True)
-    compiled.release_packed_weights()
+    monkeypatch.setattr(layouts.PackedLinear, "product", counting)
+    monkeypatch.setattr(layouts, "packed_pays", lambda weights, rows, repeats=3: True)
+    layouts.release_packed_weights()
     yield seen
-    compiled.release_packed_weights()
+    layouts.release_packed_weights()
 
 
 def packed_drafter_rows(seen, xpress) -> set[int]:
     """The row counts of the products over the drafter's weights that had a pack for that many rows."""
-    drafter = {id(w) for w in compiled.linear_weights(xpress)}
-    return {rows for weight, rows in seen if id(weight) in drafter and (weight.data_ptr(), rows) in compiled._PACKS}
+    drafter = {id(w) for w in linear_weights(xpress)}
+    return {rows for weight, rows in seen if id(weight) in drafter and (weight.data_ptr(), rows) in layouts._PACKS}
 
 
 def test_eager_loops_draft_with_packed_weights_exactly(packed_products):

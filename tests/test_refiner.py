@@ -219,7 +219,7 @@ def test_decoding_the_first_drafts_only_gives_the_whole_blocks_first_drafts(refi
     marginals, and the sequential reference — greedy and sampling, over the whole vocabulary and over a draft
     vocabulary. The heads are random and strong, so a position that read a later one (or a block summary of fewer
     positions) would show."""
-    from modeling_xpress.generation import processors_transform, sampling_processors
+    from modeling_xpress.processors import processors_transform, sampling_processors
     from modeling_xpress.training import with_draft_vocabulary
     from tests.builders import tiny_llama, tiny_xpress
 

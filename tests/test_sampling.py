@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-import modeling_xpress.modeling_xpress as modeling
-from modeling_xpress.generation import sampling_processors
+import modeling_xpress.heads as heads
+from modeling_xpress.processors import sampling_processors
 from modeling_xpress.refinement import decode, jacobi_refine
 from tests.builders import tiny_llama, tiny_xpress
 
@@ -143,7 +143,7 @@ def test_the_test_detects_a_wrong_q(target, monkeypatch):
 
     xpress = make_xpress(target, "xpress")
     honest = draw_with_spec_generate(xpress, target, seed=2)
-    monkeypatch.setattr(modeling, "jacobi_refine", wrong_q)
+    monkeypatch.setattr(heads, "jacobi_refine", wrong_q)
     broken = draw_with_spec_generate(xpress, target, seed=2)
     exact = exact_distribution(target, LogitsProcessorList())
     assert chi_square_pvalue(honest, exact) > ALPHA
