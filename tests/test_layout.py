@@ -155,3 +155,27 @@ def test_importing_the_package_loads_no_training_dependencies():
     out = subprocess.run([sys.executable, "-c", IMPORT_CHECK], cwd=REPO, capture_output=True, text=True, check=True,
                          timeout=300)  # fmt: skip
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+SEAM_CHECK = """
+import sys
+import torch
+import modeling_xpress
+from modeling_xpress.layout_policy import linear_policy
+from modeling_xpress.policy import LinearPolicy
+
+assert "modeling_xpress.cpu_layouts" not in sys.modules, "import modeling_xpress loaded the CPU tuning"
+policy = linear_policy("auto", {"verify": [torch.empty(8, 4, device="meta")]})  # a device that is not a CPU
+assert type(policy) is LinearPolicy and policy.kind("verify", 3) == "input_major"
+assert "modeling_xpress.cpu_layouts" not in sys.modules, "a non-CPU device loaded the CPU tuning"
+policy = linear_policy("auto", {"verify": [torch.empty(8, 4)]})
+assert type(policy).__name__ == "CpuLinearPolicy" and "modeling_xpress.cpu_layouts" in sys.modules
+print("ok")
+"""
+
+
+def test_cpu_tuning_is_loaded_for_a_cpu_only():
+    """The hardware seam: `import modeling_xpress` and a policy for a device that is not a CPU (a GPU running "auto")
+    never import `cpu_layouts`; a CPU's policy is its `CpuLinearPolicy`."""
+    out = subprocess.run([sys.executable, "-c", SEAM_CHECK], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
