@@ -444,7 +444,7 @@ class XPressModel(XPressPreTrainedModel):
 
     @classmethod
     def from_dflash(cls, path: str | os.PathLike, **overrides) -> "XPressModel":
-        """Build an xPress model from a dFlash checkpoint folder (released layout, SPEC §2); the head starts fresh.
+        """Build an xPress model from a dFlash checkpoint folder (the released layout); the head starts fresh.
 
         `overrides` set config fields the dFlash config does not carry (e.g. `refiner`, `refiner_rank`, or the
         target facts `vocab_size`/`num_target_layers` when its config lacks them).

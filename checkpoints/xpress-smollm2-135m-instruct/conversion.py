@@ -1,4 +1,4 @@
-"""Build an xPress model from a released dFlash drafter checkpoint (SPEC §2); the correction head starts fresh.
+"""Build an xPress model from a released dFlash drafter checkpoint; the correction head starts fresh.
 `write_dflash_checkpoint` writes an xPress drafter back in the released layout, e.g. a small folder for any target
 to try `from_dflash` on.
 

@@ -117,7 +117,7 @@ def chat_prompt_ids(tokenizer, texts: Sequence[str]) -> list[torch.Tensor]:
 
 
 def evaluation_prompt_sets(tokenizer, limit: int | None = None) -> dict[str, PromptSet]:
-    """HumanEval and MT-Bench first turns (SPEC §6), chat-templated; the first `limit` of each."""
+    """HumanEval and MT-Bench first turns, chat-templated; the first `limit` of each."""
     from .assets import humaneval_prompts, mtbench_prompts
 
     sets = {}

@@ -7,7 +7,7 @@ import torch
 
 from ..stats import WallClock
 
-# The trained checkpoint bundled with the repository (issue 4), and the prompts of `make demo` and its CI test:
+# The trained checkpoint bundled with the repository, and the prompts of `make demo` and its CI test:
 # written here, in none of the training or evaluation sets.
 BUNDLED_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "xpress-smollm2-135m-instruct"
 DEMO_PROMPTS = [

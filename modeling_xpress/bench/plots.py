@@ -22,6 +22,20 @@ def _pyplot():
     return plt
 
 
+def _finish_axes(ax, xlabel: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save(plt, fig, path: Path) -> Path:
+    """Lay out, write and close a figure; returns its path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_tau_vs_k(results: Mapping, path: Path) -> Path | None:
     """Paper Fig. 3: τ vs K per dataset (columns) and temperature (rows), adaptive as a separate point, Markov and
     no-head methods as dashed horizontal baselines."""
@@ -57,10 +71,7 @@ def plot_tau_vs_k(results: Mapping, path: Path) -> Path | None:
             ax.grid(alpha=0.3)
         axes[i][0].set_ylabel("τ (tokens / verification)")
     axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_training_curves(stages: Mapping[str, list[dict]], path: Path) -> Path | None:
@@ -87,13 +98,8 @@ def plot_training_curves(stages: Mapping[str, list[dict]], path: Path) -> Path |
     tau_ax.set_ylabel("τ estimate at T=1 (faint: training batches)")
     loss_ax.set_ylabel("objective")
     for ax in (tau_ax, loss_ax):
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+        _finish_axes(ax, "step")
+    return _save(plt, fig, path)
 
 
 def plot_draft_breakdown(results: Mapping, path: Path) -> Path:
@@ -110,10 +116,7 @@ def plot_draft_breakdown(results: Mapping, path: Path) -> Path:
     ax.set_ylabel("ms per drafted block")
     ax.set_title("Draft-step latency breakdown (spec_generate timers)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_refiner_latency(results: Mapping, path: Path) -> Path | None:
@@ -142,15 +145,10 @@ def plot_refiner_latency(results: Mapping, path: Path) -> Path | None:
                    label=f"{r['method']} ({r['setting']})")  # fmt: skip
     if fixed_ks:
         ax.set_xticks(fixed_ks + [adaptive_x], [str(k) for k in fixed_ks] + ["adapt."])
-    ax.set_xlabel("Jacobi iterations K")
     ax.set_ylabel("µs per block (median)")
     ax.set_title("Refinement latency per block")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    _finish_axes(ax, "Jacobi iterations K")
+    return _save(plt, fig, path)
 
 
 __all__ = ["plot_draft_breakdown", "plot_refiner_latency", "plot_tau_vs_k", "plot_training_curves"]

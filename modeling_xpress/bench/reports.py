@@ -4,7 +4,7 @@ labels the records carry (entries, run settings) are defined in `settings.py`.
 Everything here is a pure function of the results dict that `benchmark.run_benchmark` returns (or of its saved JSON),
 and this module imports no torch: summaries and reports are plain Python over the raw records.
 
-τ is pooled: committed tokens / target verifications over all steps of a group (SPEC §7); the per-prompt means are in
+τ is pooled: committed tokens / target verifications over all steps of a group; the per-prompt means are in
 the raw records. Speed is a ratio of tokens/s measured in the same run; absolute seconds are raw data only.
 """
 

@@ -1,7 +1,7 @@
 """Training xPress, and the data it is trained on. None of this travels with a saved checkpoint; it imports the
 runtime (`modeling_xpress.*` at the top level), never the other way round.
 
-The trainer, in the order a reader meets it (the paper's objective, §4.3, SPEC §4, against a frozen target):
+The trainer, in the order a reader meets it (the paper's objective, §4.3, against a frozen target):
 
 - `arguments`: `XPressTrainingArguments`, the objective's knobs on top of `TrainingArguments`.
 - `collator`: `XPressDataCollator`, padding and the random block anchors inside the responses.

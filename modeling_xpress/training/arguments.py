@@ -1,4 +1,4 @@
-"""`XPressTrainingArguments`: the xPress objective's knobs (paper §4.3, SPEC §4) on top of transformers'
+"""`XPressTrainingArguments`: the xPress objective's knobs (paper §4.3) on top of transformers'
 `TrainingArguments`, validated where they are declared."""
 
 import math

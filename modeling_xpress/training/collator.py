@@ -1,4 +1,4 @@
-"""`XPressDataCollator`: pads `{"input_ids", "loss_mask"}` rows and samples the blocks to train on (SPEC §4).
+"""`XPressDataCollator`: pads `{"input_ids", "loss_mask"}` rows and samples the blocks to train on.
 
 The anchors of a row are a function of the seed, the epoch and the row alone, so a resumed run, dataloader workers and
 other processes draw exactly the anchors of an uninterrupted single-process run."""
@@ -16,7 +16,7 @@ IGNORE_INDEX = -100
 
 @dataclass
 class XPressDataCollator:
-    """Batches `{"input_ids", "loss_mask"}` rows and samples the blocks to train on (SPEC §4).
+    """Batches `{"input_ids", "loss_mask"}` rows and samples the blocks to train on.
 
     An anchor is a position t with `loss_mask[t] == loss_mask[t+1] == 1` (inside a response, with at least one
     response token after it). Up to `anchors_per_sequence` distinct anchors are drawn per sequence, uniformly and

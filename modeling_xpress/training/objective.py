@@ -1,5 +1,5 @@
 """The training objective of one batch: `XPressObjective` composes the block layout, the frozen target's signals and the
-per-distribution loss (`loss.py`) into `L(p^r) + w_anchor · L(p^b) + w_cons · L(p̂^r)` (paper §4.3, SPEC §4).
+per-distribution loss (`loss.py`) into `L(p^r) + w_anchor · L(p^b) + w_cons · L(p̂^r)` (paper §4.3).
 
 Read top to bottom: block layout (`block_position_ids`, `block_attention_mask`, `draft_blocks`: every block of the
 batch in one drafter forward, as inference sees it), the frozen target's signals (`target_signals`), then

@@ -5,7 +5,7 @@ The kinds are built in three modules, one per generator: `general_prompts` (code
 `task_prompts` (task-shaped) and `mined_prompts` (mined from the standard library). This module names them and draws
 the prompts.
 
-A drafter is trained on what *its target* answers (paper section 4.3; SPEC section 4), so the prompts only need to be
+A drafter is trained on what *its target* answers (paper section 4.3), so the prompts only need to be
 varied, not answered: :func:`training_prompts` builds a few thousand of them (code, math, chat; task-shaped kinds;
 or kinds mined from the installed standard library's code and documentation). They never come from HumanEval or
 MT-Bench, which are the evaluation sets (:mod:`modeling_xpress.bench.assets`). The target's answers are made by

@@ -1,7 +1,7 @@
 """Training responses written by the target itself, and the resumable shards they are written to.
 
 A drafter is trained to predict what *its target* would say next, so the responses must come from
-the target (paper section 4.3; SPEC section 4), not from some other model's dataset:
+the target (paper section 4.3), not from some other model's dataset:
 
 1. :func:`regenerate_responses` formats each prompt (e.g. from
    :func:`modeling_xpress.training.prompts.training_prompts`) with the target's chat template, lets the

@@ -1,4 +1,4 @@
-"""The frozen target's training signals, computed once and read back by every training run (issue 10, SPEC §8).
+"""The frozen target's training signals, computed once and read back by every training run.
 
 Every training step needs two things from the frozen target: the context features at the drafter's
 `target_layer_ids` and the teacher distribution p^t at each labelled position. They do not depend on the drafter, so

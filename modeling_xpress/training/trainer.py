@@ -1,4 +1,4 @@
-"""`XPressTrainer`: transformers' `Trainer` for an xPress drafter + head against a frozen target (paper §4.3, SPEC §4).
+"""`XPressTrainer`: transformers' `Trainer` for an xPress drafter + head against a frozen target (paper §4.3).
 
 It holds the frozen target, applies the training mode (`prepare_for_training`: head only, everything, or LoRA on the
 drafter), logs every term of the objective (`objective.XPressObjective`), and writes each checkpoint as a loadable
