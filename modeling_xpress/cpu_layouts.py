@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .policy import LinearPolicy, time_sweeps, timing_input
+from .policy import LinearPolicy, product_sweeps, time_sweeps, timing_input
 from .stats import median_seconds
 
 # Weight-major (or packed) is chosen only if the timed products are at least 1.25× faster that way: the microbenchmark
@@ -293,22 +293,15 @@ def products_seconds(jobs: Sequence[tuple[Sequence[torch.Tensor], int, str]], *,
     turn (`layout_policy.time_sweeps`), so a drift in the machine's speed hits them alike; each packed job is timed
     alone, between packing its weights and dropping the packs it made, so at most one extra copy of the weights is
     held."""
-    inputs = {}
-    for weights, rows, _ in jobs:
-        for weight in weights:
-            inputs.setdefault((rows, weight.shape[1], weight.dtype), timing_input(rows, weight))
     product = {"input_major": F.linear, "weight_major": lambda x, w: torch.mm(w, x.t()), "packed": packed_linear}
-
-    def sweep(weights, rows, kind):
-        return lambda: [product[kind](inputs[rows, w.shape[1], w.dtype], w) for w in weights]
-
+    sweeps = product_sweeps([(weights, rows, product[kind]) for weights, rows, kind in jobs])
     device = jobs[0][0][0].device
     in_turn = [i for i, job in enumerate(jobs) if job[2] != "packed"]
-    seconds = dict(zip(in_turn, time_sweeps([sweep(*jobs[i]) for i in in_turn], device, repeats)))
+    seconds = dict(zip(in_turn, time_sweeps([sweeps[i] for i in in_turn], device, repeats)))
     for i, (weights, rows, kind) in enumerate(jobs):
         if kind == "packed":
             new = pack_weights(weights, rows)
-            seconds[i] = time_sweeps([sweep(weights, rows, kind)], device, repeats)[0]
+            seconds[i] = time_sweeps([sweeps[i]], device, repeats)[0]
             release_packed_weights(new, rows)
     return [seconds[i] for i in range(len(jobs))]
 

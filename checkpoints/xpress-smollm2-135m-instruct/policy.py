@@ -14,7 +14,7 @@ This file travels with every saved checkpoint; it imports only torch and its sib
 
 import contextlib
 import statistics
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,21 @@ def timing_input(rows: int, weight: torch.Tensor) -> torch.Tensor:
     caller's random state (a seeded call reproduces, the first one included)."""
     generator = torch.Generator(device=weight.device).manual_seed(0)
     return torch.randn(rows, weight.shape[1], generator=generator, device=weight.device).to(weight.dtype)
+
+
+def product_sweeps(jobs: Sequence[tuple[Sequence[torch.Tensor], int, Callable]]) -> list[Callable[[], object]]:
+    """One zero-argument sweep per job (weights, rows, product): `rows` random input rows (`timing_input`, one per
+    shape, made here) through every weight in turn as `product(x, weight)`, as a forward multiplies them (each weight
+    once, so they stream from memory)."""
+    inputs = {}
+    for weights, rows, _ in jobs:
+        for weight in weights:
+            inputs.setdefault((rows, weight.shape[1], weight.dtype), timing_input(rows, weight))
+
+    def sweep(weights, rows, product):
+        return lambda: [product(inputs[rows, w.shape[1], w.dtype], w) for w in weights]
+
+    return [sweep(*job) for job in jobs]
 
 
 @torch.no_grad()
@@ -117,16 +132,12 @@ class LinearPolicy:
         """Median seconds of each job (group, rows): one pass of `rows` input rows through every weight of the group
         in turn, as a forward multiplies them (each weight once, so they stream from memory), in the group's
         layout for that many rows."""
-        inputs = {}
-        for group, rows in jobs:
-            for weight in self.weights[group]:
-                inputs.setdefault((rows, weight.shape[1], weight.dtype), timing_input(rows, weight))
-
-        def sweep(group, rows):
-            return lambda: [F.linear(inputs[rows, w.shape[1], w.dtype], w) for w in self.weights[group]]
-
         device = next(iter(self.weights.values()))[0].device
-        return time_sweeps([sweep(group, rows) for group, rows in jobs], device, repeats)
+        return time_sweeps(product_sweeps([(self.weights[group], rows, F.linear) for group, rows in jobs]), device,
+                           repeats)  # fmt: skip
 
 
-__all__ = ["LINEAR_LAYOUTS", "LinearPolicy", "check_linear_layout", "linear_weights", "time_sweeps", "timing_input"]
+__all__ = [
+    "LINEAR_LAYOUTS", "LinearPolicy", "check_linear_layout", "linear_weights", "product_sweeps", "time_sweeps",
+    "timing_input",
+]  # fmt: skip
