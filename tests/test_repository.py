@@ -21,7 +21,6 @@ LEGACY_SNAPSHOTS = frozenset(
     f"checkpoints/training/{folder}/{stage}/model.safetensors"
     for folder, stages in {
         "smollm2-v5": ("drafter", "drafter-best", "markov", "xpress"),
-        "smollm2-v6": ("drafter", "markov", "xpress"),
         "smollm2-v7": ("drafter", "drafter-best", "markov", "xpress"),
         "smollm2-v8": ("drafter", "markov", "xpress"),
         "smollm2-v9": ("drafter", "markov", "xpress"),
