@@ -482,7 +482,7 @@ class CompiledSteps:
         self.decoder.compile_verify_widths(widths, sequence[0, -1], sequence.shape[1] - 1, self.warp_values)
         self.decoder.prepare("head", self.widest - 1)  # the readout of the cap's drafts
 
-    def draft(self, sequence, features, count, context_len, stats, timer, generator):
+    def draft(self, sequence, features, count, context_len, stats, timer, generator, depth):
         decoder, block = self.decoder, self.decoder.block
         if decoder.cuda:  # outputs of the previous step's graphs are dead; what is carried over was cloned
             torch.compiler.cudagraph_mark_step_begin()
@@ -506,21 +506,20 @@ class CompiledSteps:
         stats.jacobi_iterations.append(int(iterations[0]))
         return RefinementResult(tokens=tokens, logits=logits, iterations=iterations)
 
-    def verify(self, sequence, drafts, length, stats):
+    def verify(self, sequence, tree, stats):
         decoder = self.decoder
         anchor = sequence[0, -1].view(1, 1)
-        if drafts is None:  # one token left: the drafts are placeholders no acceptance reads
-            if decoder.cuda:
-                torch.compiler.cudagraph_mark_step_begin()
-            drafts = anchor[0].expand(decoder.block - 1)
-        width = self.widest if self.fixed_width else verify_width(self.widest, length + 1)
+        if not len(tree) and decoder.cuda:  # one token left: the drafts are placeholders no acceptance reads
+            torch.compiler.cudagraph_mark_step_begin()
+        width = self.widest if self.fixed_width else verify_width(self.widest, len(tree) + 1)
         stats.verify_widths.append(width)
-        verify_ids = torch.cat([anchor, drafts[: width - 1].view(1, -1)], dim=1)  # (1, W) [anchor, d_1..]
+        # [anchor, d_1..d_m], then placeholders to the graph's width: by causality no row up to m reads them.
+        verify_ids = torch.cat([anchor, tree.tokens.view(1, -1), anchor.expand(1, width - 1 - len(tree))], dim=1)
         anchor_pos = torch.tensor(sequence.shape[1] - 1, device=sequence.device)
         p_logits, features = decoder.verify(verify_ids, anchor_pos, self.warp_values)
         return p_logits, (features.clone() if decoder.cuda else features)  # (a CUDA graph reuses its output)
 
-    def commit(self, matches: int) -> None:
+    def commit(self, tree, path) -> None:
         pass  # the next verification writes from the slot after the committed tokens
 
 

@@ -45,6 +45,20 @@ class CorrectionHead(nn.Module):
     def init_fresh(self) -> None:
         pass
 
+    def path_deltas(self, hidden: torch.Tensor):
+        """For draft trees: a function of paths (b, d + 1) of previous tokens x_0..x_d (target ids; x_0 the anchor)
+        → δ_d (b, V) of the position after each path, the head reading that path alone. hidden (1, n, H): the block's
+        drafter states, shared by every path. This reference runs the teacher-forced forward; heads override it with
+        their cheaper form."""
+
+        def deltas(paths: torch.Tensor) -> torch.Tensor:
+            depth = paths.shape[1] - 1
+            previous = paths.new_zeros(paths.shape[0], hidden.shape[1])  # positions past the path are never read
+            previous[:, : depth + 1] = paths
+            return self(hidden.expand(paths.shape[0], -1, -1), previous)[:, depth]
+
+        return deltas
+
     def decode(
         self,
         hidden: torch.Tensor,
@@ -168,6 +182,17 @@ class XPressRefiner(CorrectionHead):
         a_hidden = hidden @ f.hidden_weight.T + g @ f.global_weight.T  # (b, n, r)
         return torch.einsum("dkj,bjd->bkd", f.mix, a_hidden)
 
+    def path_deltas(self, hidden: torch.Tensor):
+        """`CorrectionHead.path_deltas` with the folded operators: the block's token-independent part once, then per
+        path one table lookup, one r-space mix of its tokens and the readout of its last position."""
+        prepared = self.prepare(hidden)  # (1, n, r)
+
+        def deltas(paths: torch.Tensor) -> torch.Tensor:
+            depth = paths.shape[1] - 1
+            return self.delta_folded(prepared.expand(paths.shape[0], -1, -1), paths, start=depth)[:, 0]
+
+        return deltas
+
     def delta_folded(self, prepared: torch.Tensor, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """δ for one Jacobi iteration from `prepare(hidden)` and the current previous tokens (b, n).
 
@@ -201,6 +226,10 @@ class MarkovHead(CorrectionHead):
     def forward(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """δ (b, n, V) from the previous tokens alone (the hidden states are not read)."""
         return self.bias(previous)
+
+    def path_deltas(self, hidden: torch.Tensor):
+        """`CorrectionHead.path_deltas`: the bias of each path's last token."""
+        return lambda paths: self.bias(paths[:, -1])
 
     def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
                max_iters=0, early_exit=True, token_ids=None):  # fmt: skip

@@ -27,7 +27,8 @@ def random_tree(n: int, seed: int) -> DraftTree:
     for parent in parents:
         depths.append(1 if parent < 0 else depths[parent] + 1)
     return DraftTree(tokens=torch.randint(0, VOCAB, (n,), generator=g), parents=torch.tensor(parents),
-                     depths=torch.tensor(depths), logits=torch.zeros(n, VOCAB))  # fmt: skip
+                     depths=torch.tensor(depths), distributions=torch.zeros(1, VOCAB),
+                     source=torch.zeros(n, dtype=torch.long))  # fmt: skip
 
 
 def test_mask_sees_ancestors_only():
@@ -61,7 +62,7 @@ def test_keep_path_leaves_the_cache_of_the_accepted_path(target):
     cache = DynamicCache(config=target.config)
     target(input_ids=prompt[:, :-1], cache=cache)
     verify_tree(target, cache, int(prompt[0, -1]), tree)
-    keep_path(cache, prompt.shape[1] - 1, path)
+    keep_path(cache, len(tree) + 1, path)
     assert cache.get_seq_length() == prompt.shape[1] + len(path)
     after = torch.tensor([[5]])
     sequence = torch.cat([prompt, tree.tokens[path].view(1, -1), after], dim=1)
@@ -121,7 +122,7 @@ def test_greedy_tree_decoding_is_the_targets_greedy_output(target, budget):
         tree = build_tree(xpress, torch.zeros(1, n, xpress.config.hidden_size), base, anchor, budget)
         logits = verify_tree(target, cache, anchor, tree).logits[0]
         accepted, bonus = accept_tree_greedy(tree, logits)
-        keep_path(cache, committed, accepted)
+        keep_path(cache, len(tree) + 1, accepted)
         out += tree.tokens[accepted].tolist() + [bonus]
         committed, anchor = committed + 1 + len(accepted), bonus
         accepted_counts.append(len(accepted))

@@ -18,14 +18,16 @@ from transformers import DynamicCache, LogitsProcessorList
 
 from .compiled import CompiledGenerationStats, check_compilable, compiled_steps
 from .draft_cap import DraftLengthRule, draft_length, draft_length_rule, resolve_draft_cap
-from .drafting import draft_block, target_features
+from .drafting import draft_block, run_drafter, target_features
 from .layout_policy import decoder_policy
+from .configuration_xpress import is_integer
 from .policy import LinearPolicy, check_linear_layout
 from .processors import (
     check_decoding_arguments, decoding_processors, process_verification_logits, processors_transform,
     stop_token_tensor, vocabulary_local,
 )  # fmt: skip
 from .refinement import RefinementResult
+from .trees import DraftTree, accept_tree_greedy, accept_tree_sampling, build_tree, keep_path, path_rows, verify_tree
 from .stats import SectionTimer, XPressGenerationStats
 
 
@@ -48,16 +50,18 @@ class DecodeSteps(Protocol):
     def start(self, sequence: torch.Tensor) -> None:
         """Once, after the prefill's token: prepare what every step needs (compiled: its verification graphs)."""
 
-    def draft(self, sequence, features, count: int, context_len: int, stats, timer, generator) -> RefinementResult:
-        """A block after `sequence`: drafter → readout → head. Its first `cap` drafts (tokens (1, m) and the
-        logits (1, m, V) each was drawn from); the drafter's cache holds context up to `context_len + count`."""
+    def draft(self, sequence, features, count: int, context_len: int, stats, timer, generator,
+              depth: int) -> RefinementResult | DraftTree:  # fmt: skip
+        """A block after `sequence`: drafter → readout → head. A linear block: its first `cap` drafts (tokens (1, m)
+        and the logits (1, m, V) each was drawn from), the loop cuts it to its draft length; with a tree budget, a
+        `DraftTree` no deeper than `depth`. The drafter's cache holds context up to `context_len + count`."""
 
-    def verify(self, sequence, drafts, length: int, stats) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target on the anchor and the first `length` of `drafts` (None when `length` is 0): processed logits
-        of those `length + 1` positions (at least that many rows) and their features."""
+    def verify(self, sequence, tree: DraftTree, stats) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target on the anchor and the tree's nodes (a linear block: a chain, perhaps empty): processed logits of
+        those `len(tree) + 1` positions (at least that many rows; row j + 1 is node j's child) and their features."""
 
-    def commit(self, matches: int) -> None:
-        """Keep the anchor and the first `matches` drafts of the last verification in the target's cache."""
+    def commit(self, tree: DraftTree, path: list[int]) -> None:
+        """Keep the anchor and the accepted `path` of the last verification in the target's cache."""
 
 
 def pick(processors, logits: torch.Tensor, ids: torch.Tensor, do_sample: bool, generator) -> torch.Tensor:
@@ -95,10 +99,27 @@ def accept_sampling(draft, q_logits, p_logits, generator) -> tuple[int, torch.Te
     return matches, torch.multinomial(p[n], 1, generator=generator)[0]
 
 
-def committed_tokens(draft, matches: int, bonus, stop: torch.Tensor, room: int) -> torch.Tensor:
+def accept(tree: DraftTree, p_logits: torch.Tensor, do_sample: bool, generator) -> tuple[list[int], torch.Tensor]:
+    """The accepted path of a verification (its nodes, in order) and the target's token after it. A chain: the
+    vectorised rules above; a tree: the walk down it (`trees.accept_tree_greedy` / `accept_tree_sampling`), of which
+    they are the one-child case."""
+    if tree.chain:
+        if do_sample:
+            matches, bonus = accept_sampling(tree.tokens, tree.distributions, p_logits, generator)
+        else:
+            matches, bonus = accept_greedy(tree.tokens, p_logits)
+        return list(range(matches)), bonus
+    if do_sample:
+        path, bonus = accept_tree_sampling(tree, p_logits, generator)
+    else:
+        path, bonus = accept_tree_greedy(tree, p_logits)
+    return path, torch.tensor(bonus, device=p_logits.device)
+
+
+def committed_tokens(path_tokens: torch.Tensor, bonus, stop: torch.Tensor, room: int) -> torch.Tensor:
     """What a verification commits: the accepted drafts and the target's bonus token, up to and including the first
     stop token, at most `room` tokens (what is left of `max_new_tokens`)."""
-    accepted = torch.cat([draft[:matches], bonus.view(1)])
+    accepted = torch.cat([path_tokens, bonus.view(1)])
     stop_at = torch.isin(accepted, stop).nonzero()
     if stop_at.numel():
         accepted = accepted[: int(stop_at[0]) + 1]
@@ -125,28 +146,29 @@ def decode(steps: DecodeSteps, input_ids, *, max_new_tokens: int, stop: torch.Te
         anchor_pos = sequence.shape[1] - 1
         budget = min(draft_rule.cap, max_new_tokens - (sequence.shape[1] - prompt_len) - 1)
         if budget > 0:
-            result = steps.draft(sequence, features, count, context_len, stats, timer, generator)
+            drafted = steps.draft(sequence, features, count, context_len, stats, timer, generator, depth=budget)
             context_len = anchor_pos
-            length = draft_length(result, draft_rule.threshold, budget)
-            stats.draft_lengths.append(length)
-            drafts, q_logits = result.tokens[0].to(sequence.device), result.logits[0, :length]
+            if isinstance(drafted, DraftTree):
+                tree = drafted
+            else:
+                length = draft_length(drafted, draft_rule.threshold, budget)
+                tree = DraftTree.of_chain(drafted.tokens[0, :length].to(sequence.device), drafted.logits[0, :length])
+            stats.draft_lengths.append(len(tree))
         else:  # one token left: the target alone emits it
-            length, drafts, q_logits = 0, None, None
+            tree = DraftTree.of_chain(sequence.new_empty(0), None)
 
         t_verify = timer.mark()
-        p_logits, features = steps.verify(sequence, drafts, length, stats)
-        p_logits = p_logits[: length + 1]  # (length + 1, V): a wider verification's later rows are not read
-        draft = sequence.new_empty(0) if drafts is None else drafts[:length]
-        if steps.do_sample:
-            matches, bonus = accept_sampling(draft, q_logits, p_logits, generator)
-        else:
-            matches, bonus = accept_greedy(draft, p_logits)
-        accepted = committed_tokens(draft, matches, bonus, stop, max_new_tokens - (sequence.shape[1] - prompt_len))
-        # The anchor and the accepted drafts stay in the target's cache; their features are the next context.
-        steps.commit(matches)
-        count = matches + 1
+        p_logits, features = steps.verify(sequence, tree, stats)
+        p_logits = p_logits[: len(tree) + 1]  # a wider verification's later rows are not read
+        path, bonus = accept(tree, p_logits, steps.do_sample, generator)
+        accepted = committed_tokens(tree.tokens[path], bonus, stop, max_new_tokens - (sequence.shape[1] - prompt_len))
+        # The anchor and the accepted path stay in the target's cache; their features are the next context.
+        steps.commit(tree, path)
+        count = len(path) + 1
+        if not tree.chain:  # a chain's path is its first rows already
+            features = features[:, path_rows(path, features.device)]
         sequence = torch.cat([sequence, accepted.view(1, -1)], dim=1)
-        if length:  # τ counts verification steps of a draft only
+        if len(tree):  # τ counts verification steps of a draft only
             stats.acceptance_lengths.append(int(accepted.shape[0]))
         stats.record("verify", t_verify, timer.mark())
 
@@ -157,11 +179,13 @@ def decode(steps: DecodeSteps, input_ids, *, max_new_tokens: int, stop: torch.Te
 
 class EagerSteps:
     """`DecodeSteps` in plain PyTorch: dynamic caches cropped after every verification, every logits processor
-    (those that read the token prefix see it, position by position), the products in `policy`'s layouts."""
+    (those that read the token prefix see it, position by position), the products in `policy`'s layouts. With
+    `tree_nodes`, each step drafts a tree of that many nodes (`trees.build_tree`) and verifies it in one forward."""
 
-    def __init__(self, xpress, target, processors, draft_rule: DraftLengthRule, policy: LinearPolicy, do_sample: bool):
+    def __init__(self, xpress, target, processors, draft_rule: DraftLengthRule, policy: LinearPolicy, do_sample: bool,
+                 tree_nodes: int | None = None):  # fmt: skip
         self.xpress, self.target, self.processors, self.policy = xpress, target, processors, policy
-        self.do_sample, self.cap = do_sample, draft_rule.cap
+        self.do_sample, self.cap, self.tree_nodes = do_sample, draft_rule.cap, tree_nodes
         self.layer_ids = list(xpress.config.target_layer_ids)
         self.hidden_request = [i + 1 for i in self.layer_ids]
         self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -182,28 +206,80 @@ class EagerSteps:
     def start(self, sequence) -> None:
         pass
 
-    def draft(self, sequence, features, count, context_len, stats, timer, generator):
+    def draft(self, sequence, features, count, context_len, stats, timer, generator, depth):
         transform = processors_transform(self.processors, sequence) if self.processors else None
-        return draft_block(
-            self.xpress, self.embed_tokens, self.lm_head, sequence[0, -1:], features[:, :count].to(self.xpress.device),
-            context_len, self.draft_cache, logits_transform=transform, do_sample=self.do_sample, generator=generator,
-            stats=stats, timer=timer, draft_space=self.draft_space,
-            positions=self.cap,  # the cap, not the step's budget: as compile=True draws
-            policy=self.policy,
-        )  # fmt: skip
+        context = features[:, :count].to(self.xpress.device)
+        if self.tree_nodes is None:
+            return draft_block(
+                self.xpress, self.embed_tokens, self.lm_head, sequence[0, -1:], context, context_len, self.draft_cache,
+                logits_transform=transform, do_sample=self.do_sample, generator=generator, stats=stats, timer=timer,
+                draft_space=self.draft_space,
+                positions=self.cap,  # the cap, not the step's budget: as compile=True draws
+                policy=self.policy,
+            )  # fmt: skip
+        hidden, base = run_drafter(self.xpress, self.embed_tokens, self.lm_head, sequence[0, -1:], context,
+                                   context_len, self.draft_cache, draft_space=self.draft_space, positions=depth,
+                                   policy=self.policy, stats=stats, timer=timer)  # fmt: skip
+        t0 = timer.mark()
+        tree = build_tree(self.xpress, hidden[:, 1:], base, int(sequence[0, -1]), self.tree_nodes, max_depth=depth,
+                          logits_transform=transform, generator=generator, do_sample=self.do_sample)  # fmt: skip
+        stats.record("refiner", t0, timer.mark())
+        return tree
 
-    def verify(self, sequence, drafts, length, stats):
-        draft = sequence.new_empty(0) if drafts is None else drafts[:length]
-        verify_ids = torch.cat([sequence[:, -1:], draft.view(1, -1)], dim=1)  # [anchor, d_1..d_m]
-        width = self.verified = verify_ids.shape[1]
+    def verify(self, sequence, tree, stats):
+        width = self.verified = len(tree) + 1
         self.policy.prepare("verify", width)
         with self.policy.mode("verify", width, width):
-            out = self.target(input_ids=verify_ids, cache=self.target_cache, output_hidden_states=self.hidden_request)
-        p_logits = process_verification_logits(self.processors, sequence, draft, out.logits[0].float())
+            if tree.chain:
+                verify_ids = torch.cat([sequence[:, -1:], tree.tokens.view(1, -1)], dim=1)  # [anchor, d_1..d_m]
+                out = self.target(input_ids=verify_ids, cache=self.target_cache,
+                                  output_hidden_states=self.hidden_request)  # fmt: skip
+            else:
+                out = verify_tree(self.target, self.target_cache, int(sequence[0, -1]), tree,
+                                  output_hidden_states=self.hidden_request)  # fmt: skip
+        if tree.chain:
+            p_logits = process_verification_logits(self.processors, sequence, tree.tokens, out.logits[0].float())
+        else:  # prefix-free processors only (`check_tree_arguments`): every row is processed alike
+            logits = out.logits[0].float()
+            p_logits = self.processors(sequence.expand(width, -1), logits) if self.processors else logits
         return p_logits, target_features(out.hidden_states, self.layer_ids, width)
 
-    def commit(self, matches: int) -> None:
-        self.target_cache.crop(-(self.verified - 1 - matches))
+    def commit(self, tree, path) -> None:
+        keep_path(self.target_cache, self.verified, path)  # a chain's path is in place: a crop
+
+
+def check_tree_arguments(target, tree_nodes, compile, assistant_confidence_threshold, num_assistant_tokens,
+                         repetition_penalty, no_repeat_ngram_size, logits_processor) -> None:  # fmt: skip
+    """Errors for a `tree_nodes` call that a draft tree cannot honour, before any model runs."""
+    layer_types = getattr(target.config, "layer_types", None) or []
+    if getattr(target.config, "sliding_window", None) or any(kind != "full_attention" for kind in layer_types):
+        raise ValueError(
+            "Draft trees need a target whose every layer attends to the whole context (the tree's attention mask "
+            f"spans it); this one has sliding-window or other layer types ({sorted(set(layer_types)) or 'sliding_window'}"
+            "). Use tree_nodes=None (linear blocks) with it."
+        )
+    if not is_integer(tree_nodes) or tree_nodes < 1:
+        raise ValueError(f"tree_nodes must be None (a linear block) or an integer >= 1 (draft nodes), got {tree_nodes!r}")
+    if compile:
+        raise ValueError(
+            "tree_nodes is not available with compile=True yet: the compiled loop verifies linear blocks. Use "
+            "compile=False for a draft tree, or tree_nodes=None with compile=True."
+        )
+    if assistant_confidence_threshold:
+        raise ValueError(
+            "assistant_confidence_threshold cuts a linear block; a draft tree is sized by tree_nodes. Drop one of them."
+        )
+    if num_assistant_tokens is not None and (not is_integer(num_assistant_tokens) or num_assistant_tokens < 1):
+        raise ValueError(
+            f"with tree_nodes, num_assistant_tokens is the tree's depth limit: None (the whole block) or an integer "
+            f">= 1, got {num_assistant_tokens!r}"
+        )
+    if repetition_penalty not in (None, 1.0) or no_repeat_ngram_size or logits_processor:
+        raise ValueError(
+            "A draft tree's nodes follow different prefixes, so logits processors that read the token prefix "
+            "(repetition_penalty, no_repeat_ngram_size, a custom logits_processor) are not applied to trees. Use "
+            "tree_nodes=None (a linear block) with them, or only temperature / top_k / top_p with a tree."
+        )
 
 
 def check_assistant_call(target, xpress, input_ids: torch.Tensor) -> None:
@@ -237,6 +313,7 @@ def spec_generate(
     compile: bool = False,
     max_cache_len: int | None = None,
     linear_layout: str = "auto",
+    tree_nodes: int | None = None,
 ) -> XPressGenerateOutput:
     """xPress speculative decoding without `generate`: prefill, then draft → refine → verify → accept → commit.
 
@@ -260,7 +337,12 @@ def spec_generate(
     `(W @ x.T).T` on the models' own weights at each row count once, on a CPU, and goes weight-major where that is at
     least 1.25× faster (on some CPU BLAS builds a few-row product is several times faster weight-major), and in the
     compiled graphs also times MKL-packed float32 weights (`compiled.PackedLinear`) and uses them where they are the
-    fastest (the eager loop: its drafter's); "input_major" / "weight_major" / "packed" (compile=True only) force one. (`generate(assistant_model=xpress)` uses "auto".) Returns `.sequences` (prompt included) and `.stats`; the stats are also left at `xpress.generation_stats`.
+    fastest (the eager loop: its drafter's); "input_major" / "weight_major" / "packed" (compile=True only) force one. (`generate(assistant_model=xpress)` uses "auto".) `tree_nodes=N` drafts a tree of N nodes per step instead of
+    a linear block (`trees.py`): built best-first from the head's path-conditioned distributions (from the drafter's
+    marginals with `jacobi_max_iters=0`), verified in one target forward, a path accepted greedily or by lossless
+    recursive rejection sampling; `num_assistant_tokens` then limits its depth. Eager loop only (compile=False),
+    temperature/top-k/top-p only, targets whose layers all attend to the whole context. Returns `.sequences` (prompt
+    included) and `.stats`; the stats are also left at `xpress.generation_stats`.
     """
     check_assistant_call(target, xpress, input_ids)
     if not isinstance(compile, bool):
@@ -272,10 +354,17 @@ def spec_generate(
             "or use 'auto' (it packs the eager drafter's weights where that is fastest), 'input_major' or "
             "'weight_major' with the eager loop."
         )
-    num_assistant_tokens = resolve_draft_cap(xpress, target, num_assistant_tokens, compiled=compile,
-                                             linear_layout=linear_layout)  # fmt: skip
-    draft_rule = draft_length_rule(xpress.config, assistant_confidence_threshold, num_assistant_tokens)
     check_decoding_arguments(max_new_tokens, temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size)
+    if tree_nodes is None:
+        num_assistant_tokens = resolve_draft_cap(xpress, target, num_assistant_tokens, compiled=compile,
+                                                 linear_layout=linear_layout)  # fmt: skip
+        draft_rule = draft_length_rule(xpress.config, assistant_confidence_threshold, num_assistant_tokens)
+    else:
+        check_tree_arguments(target, tree_nodes, compile, assistant_confidence_threshold, num_assistant_tokens,
+                             repetition_penalty, no_repeat_ngram_size, logits_processor)  # fmt: skip
+        # A tree's depth: every draft position of the block, or an explicit num_assistant_tokens.
+        draft_rule = DraftLengthRule(threshold=None, cap=min(num_assistant_tokens or xpress.config.num_draft_tokens,
+                                                             xpress.config.num_draft_tokens))  # fmt: skip
     if attention_mask is not None and (attention_mask.shape != input_ids.shape or not bool(attention_mask.all())):
         raise ValueError(
             f"attention_mask (shape {tuple(attention_mask.shape)}) must be all ones over input_ids (shape "
@@ -300,7 +389,7 @@ def spec_generate(
             return decode(steps, input_ids, stats=stats, **loop)
     processors = decoding_processors(temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size, logits_processor)
     policy = decoder_policy(linear_layout, target, xpress, compiled=False)
-    steps = EagerSteps(xpress, target, processors, draft_rule, policy, do_sample=temperature > 0)
+    steps = EagerSteps(xpress, target, processors, draft_rule, policy, do_sample=temperature > 0, tree_nodes=tree_nodes)
     stats = xpress.generation_stats = XPressGenerationStats()
     return decode(steps, input_ids, stats=stats, **loop)
 

@@ -22,6 +22,40 @@ def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int
     return torch.cat([hidden_states[i + 1][:, :count] for i in layer_ids], dim=-1)
 
 
+def run_drafter(xpress, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module, anchor: torch.Tensor,
+                context_features: torch.Tensor, context_start: int, cache: DynamicCache, *, draft_space: bool = False,
+                positions: int | None = None, policy: LinearPolicy | None = None, stats=None, timer=None):  # fmt: skip
+    """The drafter's block forward and its readout: hidden states (1, B, H) of the block (anchor slot first) and the
+    base logits (1, m, V_d or V) of its first m = `positions` draft positions (all B - 1 by default). Arguments as in
+    `draft_block`; the drafter cache keeps only context K/V."""
+    timer = timer or SectionTimer(anchor.device)
+    block = xpress.config.block_size
+    t0 = timer.mark()
+    noise_embeds = xpress.embed_blocks(anchor.view(1, 1), embed_tokens)  # (1, B, H)
+    c = context_features.shape[1]
+    position_ids = torch.arange(context_start, context_start + c + block, device=anchor.device).unsqueeze(0)
+    dtype = xpress.fc.weight.dtype
+    if policy is not None:
+        policy.prepare("drafter", block)  # (packs for B rows where packed: a dictionary lookup once they exist)
+    with policy.mode("drafter", block, 2 * block) if policy is not None else contextlib.nullcontext():
+        out = xpress(
+            noise_embeds=noise_embeds.to(dtype),
+            context_hidden_states=context_features.to(dtype),
+            position_ids=position_ids,
+            cache=cache,
+        )
+    cache.crop(-block)
+    hidden = out.last_hidden_state  # (1, B, H)
+    t1 = timer.mark()
+    read = xpress.draft_logits if draft_space else xpress.base_logits
+    base = read(hidden.to(lm_head.weight.dtype), lm_head, positions=positions)  # (1, m, V_d) draft vocabulary, else V
+    t2 = timer.mark()
+    if stats is not None:
+        stats.record("drafter", t0, t1)
+        stats.record("lm_head", t1, t2)
+    return hidden, base
+
+
 def draft_block(
     xpress,
     embed_tokens: torch.nn.Module,
@@ -51,36 +85,16 @@ def draft_block(
     `LinearPolicy`, whose "drafter" group runs the drafter's products (None: `F.linear` as it is).
     """
     timer = timer or SectionTimer(anchor.device)
-    block = xpress.config.block_size
-    t0 = timer.mark()
-    noise_embeds = xpress.embed_blocks(anchor.view(1, 1), embed_tokens)  # (1, B, H)
-    c = context_features.shape[1]
-    position_ids = torch.arange(context_start, context_start + c + block, device=anchor.device).unsqueeze(0)
-    dtype = xpress.fc.weight.dtype
-    if policy is not None:
-        policy.prepare("drafter", block)  # (packs for B rows where packed: a dictionary lookup once they exist)
-    with policy.mode("drafter", block, 2 * block) if policy is not None else contextlib.nullcontext():
-        out = xpress(
-            noise_embeds=noise_embeds.to(dtype),
-            context_hidden_states=context_features.to(dtype),
-            position_ids=position_ids,
-            cache=cache,
-        )
-    cache.crop(-block)
-    hidden = out.last_hidden_state  # (1, B, H)
-    t1 = timer.mark()
-    read = xpress.draft_logits if draft_space else xpress.base_logits
-    base = read(hidden.to(lm_head.weight.dtype), lm_head, positions=positions)  # (1, m, V_d) draft vocabulary, else V
+    hidden, base = run_drafter(xpress, embed_tokens, lm_head, anchor, context_features, context_start, cache,
+                               draft_space=draft_space, positions=positions, policy=policy, stats=stats, timer=timer)  # fmt: skip
     t2 = timer.mark()
     noise = gumbel_noise(base.shape, generator=generator, device=base.device) if do_sample else None
     result = xpress.refine(hidden[:, 1:], base, anchor.view(1), logits_transform=logits_transform, noise=noise)
     t3 = timer.mark()
     if stats is not None:
-        stats.record("drafter", t0, t1)
-        stats.record("lm_head", t1, t2)
         stats.record("refiner", t2, t3)
         stats.jacobi_iterations.append(int(result.iterations[0]))
     return result
 
 
-__all__ = ["draft_block", "target_features"]
+__all__ = ["draft_block", "run_drafter", "target_features"]

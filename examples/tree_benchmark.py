@@ -1,0 +1,107 @@
+"""Draft trees against linear blocks on the real model, side by side in one run.
+
+SmolLM2-135M-Instruct with the bundled checkpoint, greedy, one prompt at a time: plain `target.generate`, then
+`spec_generate` with linear blocks (the machine-chosen cap, and whole blocks) and with draft trees of N nodes built
+from the head's path-conditioned distributions ("head tree") and from the drafter's marginals ("marginal tree",
+`jacobi_max_iters=0`). Every method decodes every prompt in turn, so all see the same machine state. Prints τ (tokens
+per verification), tokens/s and the speed ratio against plain decoding measured in this run, and whether every
+output is the target's own greedy output.
+
+    python examples/tree_benchmark.py --held-out 10               # held-out training prompts (choose settings here)
+    python examples/tree_benchmark.py --eval 20 --max-new-tokens 256   # HumanEval + MT-Bench (report only)
+"""
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import AutoModel
+
+from modeling_xpress.bench.assets import load_smollm2
+from modeling_xpress.bench.benchmark import chat_prompt_ids, config_setting
+from modeling_xpress.bench.demo import BUNDLED_CHECKPOINT
+
+
+def methods(xpress, nodes: list[int]) -> dict:
+    """name → (spec_generate kwargs, config overrides)."""
+    out = {"linear, chosen cap": ({}, {}), "linear, whole block": ({"num_assistant_tokens": 15}, {})}
+    for n in nodes:
+        out[f"marginal tree N={n}"] = ({"tree_nodes": n}, {"jacobi_max_iters": 0})
+        out[f"head tree N={n}"] = ({"tree_nodes": n}, {})
+    return out
+
+
+def prompt_texts(args) -> list[str]:
+    if args.held_out:
+        from modeling_xpress.training.prompts import GENERATORS
+        from modeling_xpress.training.regeneration import held_out_prompts
+
+        return held_out_prompts(args.held_out, kinds=GENERATORS[args.kinds])
+    from modeling_xpress.bench.assets import humaneval_prompts, mtbench_prompts
+
+    return [row["prompt"] for row in humaneval_prompts().select(range(args.eval))] + [
+        row["prompt"] for row in mtbench_prompts().select(range(args.eval))
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--held-out", type=int, default=None, metavar="N")
+    parser.add_argument("--kinds", choices=("default", "task", "mined"), default="task")
+    parser.add_argument("--eval", type=int, default=None, metavar="N", help="N HumanEval + N MT-Bench prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--json", default=None, help="also write the per-method totals here")
+    args = parser.parse_args()
+    if not args.held_out and not args.eval:
+        parser.error("pass --held-out N or --eval N")
+
+    target, tokenizer = load_smollm2(dtype=torch.float32)
+    xpress = AutoModel.from_pretrained(str(BUNDLED_CHECKPOINT), trust_remote_code=True, dtype=torch.float32).eval()
+    prompts = chat_prompt_ids(tokenizer, prompt_texts(args))
+    table = methods(xpress, args.nodes)
+    totals = {name: {"seconds": 0.0, "tokens": 0, "steps": 0, "identical": 0} for name in ["plain", *table]}
+
+    def run(name, ids):
+        if name == "plain":
+            start = time.perf_counter()
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                                  do_sample=False)  # fmt: skip
+            return out, time.perf_counter() - start, None
+        kwargs, overrides = table[name]
+        with config_setting(xpress, **overrides):
+            start = time.perf_counter()
+            out = xpress.spec_generate(target, ids, max_new_tokens=args.max_new_tokens, **kwargs)
+            return out.sequences, time.perf_counter() - start, out.stats
+
+    for name in totals:  # warm up every path (and choose the linear cap) before timing
+        run(name, prompts[0][:, :8])
+    for i, ids in enumerate(prompts):
+        reference = None
+        for name in totals:
+            sequences, seconds, stats = run(name, ids)
+            reference = sequences if reference is None else reference
+            entry = totals[name]
+            entry["seconds"] += seconds
+            entry["tokens"] += sequences.shape[1] - ids.shape[1]
+            entry["steps"] += len(stats.acceptance_lengths) if stats else 0
+            entry["accepted"] = entry.get("accepted", 0) + (sum(stats.acceptance_lengths) if stats else 0)
+            entry["identical"] += int(torch.equal(sequences, reference))
+        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+
+    plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, fp32 greedy, {torch.get_num_threads()} threads")
+    print(f"{'method':<24} {'tau':>5} {'tok/s':>7} {'vs plain':>9} identical")
+    for name, entry in totals.items():
+        rate = entry["tokens"] / entry["seconds"]
+        tau = entry["accepted"] / entry["steps"] if entry["steps"] else 1.0
+        entry.update(tau=tau, tokens_per_s=rate, vs_plain=rate / plain_rate)
+        print(f"{name:<24} {tau:5.2f} {rate:7.1f} {rate / plain_rate:8.2f}x {entry['identical']}/{len(prompts)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "totals": totals}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
