@@ -91,10 +91,16 @@ def main() -> None:
                   f"against its loop's products timed here, {args.dtype}):\n{choice.table()}\n")  # fmt: skip
     elif cap is None:
         print(f"drafts verified per block: {xpress.config.num_assistant_tokens or 'the whole block'} (the config's)")
+    # The compiled decoder drafts a tree where one pays on this machine (the checkpoint's measured tree acceptance
+    # against the timed cost of verifying its nodes), else linear blocks.
+    trees = "auto" if cap is None and getattr(xpress.config, "tree_acceptance", None) and not args.no_compile else None
+    if trees:
+        print("draft shape for spec_generate(compile=True, tree_nodes='auto'), chosen on this machine:\n"
+              f"{xpress.choose_draft_shape(target, compiled=True).table()}\n")  # fmt: skip
     if not args.no_compile:
         print("compiling xpress.spec_generate(compile=True) once for these prompts (not timed) ...", flush=True)
     rows = compare_greedy(target, xpress, prompts, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer,
-                          compiled=not args.no_compile, num_assistant_tokens=cap)  # fmt: skip
+                          compiled=not args.no_compile, num_assistant_tokens=cap, tree_nodes=trees)  # fmt: skip
     for i, row in enumerate(rows):
         if row.text is not None:
             print(f"--- prompt {i}: {texts[i]}\n{row.text.strip()}\n")

@@ -10,6 +10,8 @@ dFlash-b16 drafter with a rank-256 xPress head (SPEC §9), then measures:
   forward; first call and steady state), tokens/s;
 * one xPress step: `generate(assistant_model=)`, eager `spec_generate` and `spec_generate(compile=True)`, with its
   split (drafter / lm_head / refiner / verification) and the compile time;
+* draft trees: eager `spec_generate(tree_nodes=N)` at N = 16, 32, 64, one step's split, output against the linear
+  loop's;
 * refiner latency per Jacobi K (1, 2, 4, 8), eager and compiled (early exit off: K passes each);
 * the fraction of wall time the GPU is busy (torch.profiler: union of kernel intervals / wall time) and the number of
   kernels, for one eager and one compiled xPress call.
@@ -126,6 +128,20 @@ def xpress_steps(target, xpress, ids, new_tokens: int, clock: WallClock) -> dict
     return results
 
 
+def tree_steps(target, xpress, ids, new_tokens: int, clock: WallClock, budgets: list[int], reference: list[int]) -> dict:
+    """Eager `spec_generate(tree_nodes=N)` per budget: one step's cost (random weights: the drafter's tree is as wide
+    as N allows, the target accepts ~nothing) and whether the output is the eager linear loop's."""
+    results = {}
+    for nodes in budgets:
+        kwargs = dict(max_new_tokens=new_tokens, stop_token_ids=[], tree_nodes=nodes)
+        spec_generate(xpress, target, ids, **{**kwargs, "max_new_tokens": 8})  # warm-up
+        out, seconds = timed(clock, lambda: spec_generate(xpress, target, ids, **kwargs))
+        results[f"tree_{nodes}"] = {**step_report(out.stats, seconds),
+                                    "first_difference": first_difference(out.sequences[0, ids.shape[1]:].tolist(),
+                                                                         reference)}  # fmt: skip
+    return results
+
+
 def refiner_latency(xpress, device, dtype, clock: WallClock, repeats: int) -> dict:
     """Seconds per block refinement at each fixed K (early exit off), eager and compiled, on random drafter outputs."""
     n, vocab = xpress.config.num_draft_tokens, xpress.config.vocab_size
@@ -220,6 +236,9 @@ def main() -> None:
     report["xpress"]["first_difference_from_plain"] = first_difference(report["xpress"]["sequence"],
                                                                        report["plain"]["sequence"])  # fmt: skip
     print(f"xPress steps done ({time.perf_counter() - started:.0f}s)", flush=True)
+    budgets = [4, 8] if args.tiny else [16, 32, 64]
+    report["trees"] = tree_steps(target, xpress, ids, new_tokens, clock, budgets, report["xpress"]["sequence"])
+    print(f"tree steps done ({time.perf_counter() - started:.0f}s)", flush=True)
     report["refiner_latency"] = refiner_latency(xpress, device, dtype, clock, repeats)
     print(f"refiner latency done ({time.perf_counter() - started:.0f}s)", flush=True)
     if not args.no_profile:
@@ -243,6 +262,10 @@ def main() -> None:
         r = steps[name]
         print(f"{name:34s} {r['step_ms']:8.2f} {r['drafter_ms']:8.2f} {r['lm_head_ms']:8.2f} {r['refiner_ms']:8.2f} "
               f"{r['verify_ms']:8.2f} {r['tokens_per_s']:7.1f} {r['compile_s']:9.1f}")  # fmt: skip
+    for name, r in report["trees"].items():
+        print(f"{'spec_generate_eager ' + name:34s} {r['step_ms']:8.2f} {r['drafter_ms']:8.2f} {r['lm_head_ms']:8.2f} "
+              f"{r['refiner_ms']:8.2f} {r['verify_ms']:8.2f} {r['tokens_per_s']:7.1f}   first difference from "
+              f"linear {r['first_difference']}")  # fmt: skip
     print("refiner ms per K: " + ", ".join(f"{k}: eager {v['eager_ms']:.3f} / compiled {v['compiled_ms']:.3f}"
                                            for k, v in report["refiner_latency"].items()))  # fmt: skip
     for name, busy in (report.get("gpu_busy") or {}).items():

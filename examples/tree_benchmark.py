@@ -8,6 +8,7 @@ per verification), tokens/s and the speed ratio against plain decoding measured 
 output is the target's own greedy output.
 
     python examples/tree_benchmark.py --held-out 10               # held-out training prompts (choose settings here)
+    python examples/tree_benchmark.py --held-out 10 --compile     # compiled loops, and compiled plain decoding
     python examples/tree_benchmark.py --eval 20 --max-new-tokens 256   # HumanEval + MT-Bench (report only)
 """
 
@@ -19,7 +20,7 @@ import torch
 from transformers import AutoModel
 
 from modeling_xpress.bench.assets import load_smollm2
-from modeling_xpress.bench.benchmark import chat_prompt_ids, config_setting
+from modeling_xpress.bench.benchmark import chat_prompt_ids, compiled_plain_kwargs, config_setting
 from modeling_xpress.bench.demo import BUNDLED_CHECKPOINT
 
 
@@ -52,6 +53,9 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=None, metavar="N", help="N HumanEval + N MT-Bench prompts")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--nodes", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--compile", action="store_true",
+                        help="spec_generate(compile=True) for every xPress method, and compiled plain generate too "
+                        "(static cache, transformers' torch.compile); everything is compiled before timing")
     parser.add_argument("--json", default=None, help="also write the per-method totals here")
     args = parser.parse_args()
     if not args.held_out and not args.eval:
@@ -61,18 +65,22 @@ def main() -> None:
     xpress = AutoModel.from_pretrained(str(BUNDLED_CHECKPOINT), trust_remote_code=True, dtype=torch.float32).eval()
     prompts = chat_prompt_ids(tokenizer, prompt_texts(args))
     table = methods(xpress, args.nodes)
-    totals = {name: {"seconds": 0.0, "tokens": 0, "steps": 0, "identical": 0} for name in ["plain", *table]}
+    plains = ["plain", *(["plain, compiled"] if args.compile else [])]
+    totals = {name: {"seconds": 0.0, "tokens": 0, "steps": 0, "identical": 0} for name in [*plains, *table]}
+    cache_len = 256 * -(-(max(ids.shape[1] for ids in prompts) + args.max_new_tokens + 64 + 32) // 256)
+    compiled = {"compile": True, "max_cache_len": cache_len} if args.compile else {}
 
     def run(name, ids):
-        if name == "plain":
+        if name in plains:
+            extra = compiled_plain_kwargs(cache_len) if name == "plain, compiled" else {}
             start = time.perf_counter()
             out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                                  do_sample=False)  # fmt: skip
+                                  do_sample=False, **extra)  # fmt: skip
             return out, time.perf_counter() - start, None
         kwargs, overrides = table[name]
         with config_setting(xpress, **overrides):
             start = time.perf_counter()
-            out = xpress.spec_generate(target, ids, max_new_tokens=args.max_new_tokens, **kwargs)
+            out = xpress.spec_generate(target, ids, max_new_tokens=args.max_new_tokens, **kwargs, **compiled)
             return out.sequences, time.perf_counter() - start, out.stats
 
     for name in totals:  # warm up every path (and choose the linear cap) before timing
@@ -91,7 +99,9 @@ def main() -> None:
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
 
     plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
-    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, fp32 greedy, {torch.get_num_threads()} threads")
+    loops = "compiled loops" if args.compile else "eager loops"
+    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, fp32 greedy, {loops}, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
     print(f"{'method':<24} {'tau':>5} {'tok/s':>7} {'vs plain':>9} identical")
     for name, entry in totals.items():
         rate = entry["tokens"] / entry["seconds"]

@@ -2,7 +2,7 @@
 
 The loop (`decode`) decides what is drafted, verified, accepted, stopped at and committed; it asks a `DecodeSteps`
 for the model work. Two implement it: `EagerSteps` (dynamic caches, any logits processor; here) and
-`compiled.CompiledSteps` (static caches and fixed-shape graphs under `torch.compile`). Everything outside the model
+`compiled_loop.CompiledSteps` (static caches and fixed-shape graphs under `torch.compile`). Everything outside the model
 calls — the draft-length rule, the acceptance rule, stop tokens, random draws — is this one code for both, which is
 why `compile=True` reproduces `compile=False` draw for draw. transformers' `generate(assistant_model=xpress)` runs
 its own verification loop around the same eager draft step (`drafting.draft_block`, `generation.py`).
@@ -16,8 +16,9 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
-from .compiled import CompiledGenerationStats, check_compilable, compiled_steps
-from .draft_cap import DraftLengthRule, draft_length, draft_length_rule, resolve_draft_cap
+from .compiled import CompiledGenerationStats, check_compilable
+from .compiled_loop import compiled_steps
+from .draft_cap import DraftLengthRule, choose_draft_shape, draft_length, draft_length_rule, resolve_draft_cap
 from .drafting import draft_block, run_drafter, target_features
 from .layout_policy import decoder_policy
 from .configuration_xpress import is_integer
@@ -248,7 +249,7 @@ class EagerSteps:
         keep_path(self.target_cache, self.verified, path)  # a chain's path is in place: a crop
 
 
-def check_tree_arguments(target, tree_nodes, compile, assistant_confidence_threshold, num_assistant_tokens,
+def check_tree_arguments(target, tree_nodes, assistant_confidence_threshold, num_assistant_tokens,
                          repetition_penalty, no_repeat_ngram_size, logits_processor) -> None:  # fmt: skip
     """Errors for a `tree_nodes` call that a draft tree cannot honour, before any model runs."""
     layer_types = getattr(target.config, "layer_types", None) or []
@@ -259,11 +260,9 @@ def check_tree_arguments(target, tree_nodes, compile, assistant_confidence_thres
             "). Use tree_nodes=None (linear blocks) with it."
         )
     if not is_integer(tree_nodes) or tree_nodes < 1:
-        raise ValueError(f"tree_nodes must be None (a linear block) or an integer >= 1 (draft nodes), got {tree_nodes!r}")
-    if compile:
         raise ValueError(
-            "tree_nodes is not available with compile=True yet: the compiled loop verifies linear blocks. Use "
-            "compile=False for a draft tree, or tree_nodes=None with compile=True."
+            f"tree_nodes must be None (a linear block), an integer >= 1 (draft nodes) or 'auto' (chosen on this "
+            f"machine from config.tree_acceptance), got {tree_nodes!r}"
         )
     if assistant_confidence_threshold:
         raise ValueError(
@@ -313,7 +312,7 @@ def spec_generate(
     compile: bool = False,
     max_cache_len: int | None = None,
     linear_layout: str = "auto",
-    tree_nodes: int | None = None,
+    tree_nodes: int | str | None = None,
 ) -> XPressGenerateOutput:
     """xPress speculative decoding without `generate`: prefill, then draft → refine → verify → accept → commit.
 
@@ -340,8 +339,11 @@ def spec_generate(
     fastest (the eager loop: its drafter's); "input_major" / "weight_major" / "packed" (compile=True only) force one. (`generate(assistant_model=xpress)` uses "auto".) `tree_nodes=N` drafts a tree of N nodes per step instead of
     a linear block (`trees.py`): built best-first from the head's path-conditioned distributions (from the drafter's
     marginals with `jacobi_max_iters=0`), verified in one target forward, a path accepted greedily or by lossless
-    recursive rejection sampling; `num_assistant_tokens` then limits its depth. Eager loop only (compile=False),
-    temperature/top-k/top-p only, targets whose layers all attend to the whole context. Returns `.sequences` (prompt
+    recursive rejection sampling; `num_assistant_tokens` then limits its depth. `tree_nodes="auto"`: the budget with the
+    most expected tokens per second on this machine from the checkpoint's `config.tree_acceptance`, or linear blocks
+    where no tree pays (`draft_cap.choose_draft_shape`). Both loops (compile=True: one
+    verification graph of N + 1 tokens); temperature/top-k/top-p only; targets whose layers all attend to the whole
+    context. Returns `.sequences` (prompt
     included) and `.stats`; the stats are also left at `xpress.generation_stats`.
     """
     check_assistant_call(target, xpress, input_ids)
@@ -355,12 +357,16 @@ def spec_generate(
             "'weight_major' with the eager loop."
         )
     check_decoding_arguments(max_new_tokens, temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size)
+    if tree_nodes == "auto":  # the tree budget that pays on this machine, or linear blocks where none does
+        check_tree_arguments(target, 1, assistant_confidence_threshold, num_assistant_tokens, repetition_penalty,
+                             no_repeat_ngram_size, logits_processor)  # fmt: skip
+        tree_nodes = choose_draft_shape(xpress, target, compiled=compile, linear_layout=linear_layout).tree_nodes
     if tree_nodes is None:
         num_assistant_tokens = resolve_draft_cap(xpress, target, num_assistant_tokens, compiled=compile,
                                                  linear_layout=linear_layout)  # fmt: skip
         draft_rule = draft_length_rule(xpress.config, assistant_confidence_threshold, num_assistant_tokens)
     else:
-        check_tree_arguments(target, tree_nodes, compile, assistant_confidence_threshold, num_assistant_tokens,
+        check_tree_arguments(target, tree_nodes, assistant_confidence_threshold, num_assistant_tokens,
                              repetition_penalty, no_repeat_ngram_size, logits_processor)  # fmt: skip
         # A tree's depth: every draft position of the block, or an explicit num_assistant_tokens.
         draft_rule = DraftLengthRule(threshold=None, cap=min(num_assistant_tokens or xpress.config.num_draft_tokens,
@@ -385,7 +391,7 @@ def spec_generate(
         stats = xpress.generation_stats = CompiledGenerationStats()
         with compiled_steps(xpress, target, input_ids, draft_rule, stats, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, max_cache_len=max_cache_len,
-                            linear_layout=linear_layout) as steps:  # fmt: skip
+                            linear_layout=linear_layout, tree_nodes=tree_nodes) as steps:  # fmt: skip
             return decode(steps, input_ids, stats=stats, **loop)
     processors = decoding_processors(temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size, logits_processor)
     policy = decoder_policy(linear_layout, target, xpress, compiled=False)

@@ -418,6 +418,14 @@ class XPressModel(XPressPreTrainedModel):
 
         return choose_draft_cap(self, target, **kwargs)
 
+    def choose_draft_shape(self, target, **kwargs):
+        """A draft tree's node budget, or linear blocks (None), with the most expected tokens per second on this
+        machine, from `config.tree_acceptance` and the timed costs (`draft_cap.choose_draft_shape`; its `.tree_nodes`
+        is what `spec_generate(..., tree_nodes="auto")` uses)."""
+        from .draft_cap import choose_draft_shape
+
+        return choose_draft_shape(self, target, **kwargs)
+
     # --- checkpoints ---------------------------------------------------------------------------------------------
 
     @classmethod

@@ -284,12 +284,36 @@ def keep_path(cache: DynamicCache, width: int, accepted: list[int]) -> None:
     cache.crop(-(width - len(rows)))
 
 
+def static_tree_mask(tree_mask: torch.Tensor, anchor_pos: torch.Tensor, cache_len: int) -> torch.Tensor:
+    """The (1, 1, W, S) attention mask of a tree verified into a static cache of S slots from slot `anchor_pos` (a 0-d
+    tensor: a graph input): every committed slot (< anchor_pos), and of the W verified slots a row's ancestors
+    (`tree_attention_mask`); nothing stale after them."""
+    width = tree_mask.shape[0]
+    offset = torch.arange(cache_len, device=tree_mask.device) - anchor_pos  # (S,) slot - anchor_pos
+    inside = (offset >= 0) & (offset < width)
+    tree_part = tree_mask[:, offset.clamp(0, width - 1)] & inside  # (W, S)
+    return ((offset < 0) | tree_part).view(1, 1, width, cache_len)
+
+
+def keep_path_static(cache, anchor_pos: int, accepted: list[int]) -> None:
+    """`keep_path` for a static cache: the accepted nodes' keys and values move to the slots right after the anchor's
+    (`anchor_pos`), where the next verification writes on; nothing is cropped."""
+    rows = [0] + [j + 1 for j in accepted]
+    if rows == list(range(len(rows))):
+        return
+    for layer in cache.layers:
+        source = torch.tensor(rows, dtype=torch.long, device=layer.keys.device) + anchor_pos
+        slots = torch.arange(anchor_pos, anchor_pos + len(rows), device=layer.keys.device)
+        layer.keys.index_copy_(-2, slots, layer.keys.index_select(-2, source))
+        layer.values.index_copy_(-2, slots, layer.values.index_select(-2, source))
+
+
 def path_rows(accepted: list[int], device=None) -> torch.Tensor:
     """The verification rows of the anchor and the accepted path: [0, j_1 + 1, ...]."""
     return torch.tensor([0] + [j + 1 for j in accepted], dtype=torch.long, device=device)
 
 
 __all__ = [
-    "DraftTree", "accept_tree_greedy", "accept_tree_sampling", "build_tree", "keep_path", "path_rows",
-    "tree_attention_mask", "verify_tree",
+    "DraftTree", "accept_tree_greedy", "accept_tree_sampling", "build_tree", "keep_path", "keep_path_static",
+    "path_rows", "static_tree_mask", "tree_attention_mask", "verify_tree",
 ]  # fmt: skip

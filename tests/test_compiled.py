@@ -408,6 +408,9 @@ def test_gpu_check_runs_tiny(tmp_path):
     for name in ("assisted_generate_eager", "spec_generate_eager", "spec_generate_compiled"):
         assert steps[name]["step_ms"] > 0 and steps[name]["verify_ms"] > 0
     assert set(report["refiner_latency"]) == {"K=1", "K=2", "K=4", "K=8"}
+    assert set(report["trees"]) == {"tree_4", "tree_8"}
+    for row in report["trees"].values():
+        assert row["step_ms"] > 0 and row["verify_ms"] > 0 and "first_difference" in row
 
 
 @pytest.mark.parametrize("refiner", REFINERS)

@@ -143,3 +143,47 @@ def test_auto_needs_a_measured_acceptance():
         xpress.spec_generate(target, IDS, max_new_tokens=4, num_assistant_tokens="fast")
     with pytest.raises(ValueError, match="max_cap"):
         xpress.choose_draft_cap(target, acceptance=[0.5], max_cap=0)
+
+
+# --- draft trees: tree_nodes="auto" ----------------------------------------------------------------------------------
+
+
+def test_tree_acceptance_round_trips_and_bad_values_raise(tmp_path):
+    target = tiny_llama()
+    config = XPressConfig.from_target_config(target.config, block_size=8, tree_acceptance={8: 2.5, 4: 2.0})
+    config.save_pretrained(tmp_path)  # JSON keys are strings; they come back as budgets
+    assert XPressConfig.from_pretrained(tmp_path).tree_acceptance == {4: 2.0, 8: 2.5}
+    for value in [{}, {0: 2.0}, {"x": 2.0}, {4.5: 2.0}, {4: 0.5}, {4: float("nan")}, {4: 3.0, 8: 2.0}, [2.0]]:
+        with pytest.raises(ValueError, match="tree_acceptance"):
+            XPressConfig.from_target_config(target.config, block_size=8, tree_acceptance=value)
+
+
+@pytest.mark.parametrize("cost, expected", [("flat", 16), ("steep", None)])
+def test_auto_tree_budget_follows_the_cost_of_width(monkeypatch, cost, expected):
+    """Where verifying more tokens costs nothing extra (a GPU), the largest budget that raises τ wins; where every
+    verified token costs a lot (fp32 on a small CPU), no tree beats the linear cap and "auto" keeps linear blocks.
+    Either way greedy output is the target's."""
+    from modeling_xpress.draft_cap import choose_draft_shape
+
+    target = tiny_llama()
+    xpress = tiny_xpress(target, block_size=8, draft_acceptance=[0.6, 0.3, 0.1, 0.05, 0.02, 0.01, 0.0],
+                         tree_acceptance={4: 2.0, 8: 2.4, 16: 2.7})  # fmt: skip
+
+    def seconds(jobs, repeats=5):  # a fixed 50 ms per product sweep, or 50 ms per row on top
+        return [0.05 + (0.05 * rows if cost == "steep" else 0.0) for _, rows, _ in jobs]
+
+    monkeypatch.setattr(layouts, "products_seconds", seconds)
+    choice = choose_draft_shape(xpress, target, compiled=False)
+    assert choice.tree_nodes == expected
+    assert set(choice.tree_rates) == {4, 8, 16} and "<- chosen" in choice.table()
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    out = xpress.spec_generate(target, ids, max_new_tokens=20, tree_nodes="auto")
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=20, do_sample=False))
+    assert (max(out.stats.draft_lengths) > 7) == (expected is not None)  # a tree verifies more than a block's drafts
+
+
+def test_auto_tree_needs_a_measured_tree_acceptance():
+    target = tiny_llama()
+    xpress = tiny_xpress(target, block_size=8, draft_acceptance=[0.5, 0.2])
+    with pytest.raises(ValueError, match="no tree_acceptance"):
+        xpress.spec_generate(target, IDS, max_new_tokens=4, tree_nodes="auto")

@@ -150,6 +150,22 @@ def test_custom_generate_folder_runs_xpress(saved):
     assert drafter.generation_stats.acceptance_lengths  # xPress really drafted
 
 
+def test_custom_generate_reaches_draft_trees(saved):
+    """transformers' assisted decoding verifies a line; `tree_nodes=` in a generate call sends the recipe to the
+    drafter's own tree loop, with the call's settings, and names the settings a tree cannot honour."""
+    root, target, _ = saved
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(4))
+    expected = target.generate(ids, max_new_tokens=25, do_sample=False)
+    got = target.generate(ids, max_new_tokens=25, do_sample=False, custom_generate=str(root / "xpress"),
+                          trust_remote_code=True, tree_nodes=5)  # fmt: skip
+    assert torch.equal(got, expected)
+    drafter = loaded_drafters(target, str(root / "xpress"))[(str(root / "xpress"), "cpu", torch.float32)]
+    assert drafter.generation_stats.draft_lengths and max(drafter.generation_stats.draft_lengths) <= 5
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        target.generate(ids, max_new_tokens=5, custom_generate=str(root / "xpress"), trust_remote_code=True,
+                        tree_nodes=5, repetition_penalty=1.3)  # fmt: skip
+
+
 def test_custom_generate_runs_from_a_moved_folder(saved, tmp_path):
     """A saved folder names no path of its own: moved (the original gone), the same line loads it from where it is."""
     root, target, xpress = saved

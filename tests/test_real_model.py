@@ -108,6 +108,31 @@ def test_bundled_checkpoint_is_exact_and_accepts(smollm2):
     assert tau > TAU_FLOOR, f"tau {tau:.3f} fell below the floor {TAU_FLOOR} (measured {TAU_MEASURED} when bundled)"
 
 
+# Measured when trees landed (3 demo prompts x 48 tokens, fp32 greedy): head tree N=16 τ 2.712 over 52 verifications.
+TREE_TAU_FLOOR = 2.2
+
+
+def test_bundled_checkpoint_tree_is_exact(smollm2):
+    """Draft trees on the real model: every output the target's greedy one, through `spec_generate` and the
+    checkpoint's custom_generate recipe, and τ above a floor (greedy fp32 is deterministic: it catches a regression
+    without flaking)."""
+    target, tokenizer = smollm2
+    xpress = AutoModel.from_pretrained(BUNDLED_CHECKPOINT, trust_remote_code=True, dtype=torch.float32).eval()
+    accepted = []
+    for ids in chat_prompt_ids(tokenizer, DEMO_PROMPTS):
+        expected = target.generate(ids, max_new_tokens=48, do_sample=False)
+        out = xpress.spec_generate(target, ids, max_new_tokens=48, tree_nodes=16)
+        assert torch.equal(out.sequences, expected)
+        accepted += out.stats.acceptance_lengths
+    ids = chat_prompt_ids(tokenizer, DEMO_PROMPTS[:1])[0]
+    got = target.generate(ids, max_new_tokens=24, do_sample=False, custom_generate=str(BUNDLED_CHECKPOINT),
+                          trust_remote_code=True, tree_nodes=8)  # fmt: skip
+    assert torch.equal(got, target.generate(ids, max_new_tokens=24, do_sample=False))
+    tau = sum(accepted) / len(accepted)
+    print(f"bundled checkpoint, head tree N=16: tau {tau:.3f} over {len(accepted)} verifications")
+    assert tau > TREE_TAU_FLOOR
+
+
 def test_bundled_card_is_rendered_from_the_evaluation():
     card = ModelCard.load(BUNDLED_CHECKPOINT / "README.md")
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -204,6 +204,47 @@ def test_tree_sampling_reproduces_with_a_seed(sampling_target):  # noqa: F811
     assert torch.equal(*runs)
 
 
+# --- compiled ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def _release_graphs():
+    from modeling_xpress.compiled import release_compiled_decoders
+
+    yield
+    release_compiled_decoders()
+
+
+@pytest.mark.parametrize("refiner", ["xpress", "markov", "none"])
+def test_compiled_tree_equals_eager_and_target_greedy(target, refiner, _release_graphs):
+    """One graph of N + 1 tokens verifies every tree (smaller ones padded); the path moves in the static cache."""
+    xpress = tiny_xpress(target, refiner=refiner)
+    for i, length in enumerate((3, 8, 19)):  # shorter than a block, one block, longer (the drafter's prefill)
+        ids = torch.randint(0, target.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(i))
+        expected = target.generate(ids, max_new_tokens=29, do_sample=False)
+        compiled = xpress.spec_generate(target, ids, max_new_tokens=29, tree_nodes=6, compile=True)
+        eager = xpress.spec_generate(target, ids, max_new_tokens=29, tree_nodes=6)
+        assert torch.equal(compiled.sequences, expected) and torch.equal(eager.sequences, expected)
+        assert compiled.stats.acceptance_lengths == eager.stats.acceptance_lengths
+        assert compiled.stats.draft_lengths == eager.stats.draft_lengths
+        assert set(compiled.stats.verify_widths) == {7}
+
+
+@pytest.mark.parametrize("settings", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 2}, {"top_p": 0.8}])
+def test_compiled_tree_sampling_equals_eager_draw_for_draw(sampling_target, settings, _release_graphs):  # noqa: F811
+    xpress = make_xpress(sampling_target, "xpress")
+    generator = torch.Generator()
+    runs = {}
+    for compile in (True, False):
+        generator.manual_seed(7)
+        runs[compile] = [tuple(xpress.spec_generate(sampling_target, PROMPT, max_new_tokens=LENGTH, stop_token_ids=[],
+                                                    generator=generator, tree_nodes=6, compile=compile,
+                                                    **{"temperature": 1.0, **settings}).sequences[0].tolist())
+                         for _ in range(25)]  # fmt: skip
+    assert runs[True] == runs[False]
+    assert len(set(runs[True])) > 3  # really sampling
+
+
 # --- errors --------------------------------------------------------------------------------------------------------
 
 
@@ -212,7 +253,6 @@ def test_tree_sampling_reproduces_with_a_seed(sampling_target):  # noqa: F811
     [
         (dict(tree_nodes=0), "tree_nodes must be"),
         (dict(tree_nodes=2.5), "tree_nodes must be"),
-        (dict(tree_nodes=4, compile=True), "compile=True"),
         (dict(tree_nodes=4, assistant_confidence_threshold=0.5), "assistant_confidence_threshold"),
         (dict(tree_nodes=4, repetition_penalty=1.2), "prefix"),
         (dict(tree_nodes=4, no_repeat_ngram_size=2), "prefix"),

@@ -24,7 +24,8 @@ Static caches are never cropped. Each cache write starts at the first slot that 
 is set before every call), so the next write overwrites the rejected slots, and masks by position hide what is stale:
 the target's causal mask lets a query at position p see slots <= p only, and the drafter's mask shows it its committed
 context and the block it is drafting, nothing else. The loop itself (acceptance, stop tokens, the draft-length rule,
-random draws) is `decoding.decode`, the eager loop's own code, run on these steps' outputs (`CompiledSteps`), so
+random draws) is `decoding.decode`, the eager loop's own code, run on these graphs' outputs
+(`compiled_loop.CompiledSteps`), so
 greedy and sampled outputs match `compile=False`. Sampling settings are graph inputs (`warp`), not constants.
 
 Compiled state (caches and compiled calls) is kept per (target, drafter, length bucket, kind of decoding) on the
@@ -42,19 +43,18 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
-from .configuration_xpress import is_integer
 from .drafting import target_features
 from .layout_policy import decoder_policy
-from .processors import Warpers, decoding_processors, warp, warper_values
-from .refinement import RefinementResult, decode, gumbel_noise, previous_tokens, target_ids
+from .processors import Warpers, warp
+from .refinement import RefinementResult, decode, previous_tokens, target_ids
 from .stats import XPressGenerationStats
+from .trees import static_tree_mask
 
 # Static caches are sized to a multiple of this many tokens, so prompts of different lengths share compiled state.
 LENGTH_BUCKET = 256
@@ -226,7 +226,7 @@ class CompiledDecoder:
         self.policy = decoder_policy(linear_layout, target, xpress, compiled=True, readout=self.head_rows())
         self.prepare("drafter", self.block)
         self.compile_seconds = 0.0
-        self.verified_widths: set[int] = set()  # verification widths whose graph is compiled
+        self.verified_widths: set[tuple[int, bool]] = set()  # (width, tree) of the compiled verification graphs
         self.drafter = _TimedCompile(self._draft, self, mode)
         self.head = _TimedCompile(self._base_logits, self, mode)
         self.refiner = _TimedCompile(self._refine, self, mode)
@@ -312,30 +312,37 @@ class CompiledDecoder:
                 result.logits = xpress.to_vocabulary(result.logits, fill=float("-inf"))
         return result.tokens, result.logits, result.iterations
 
-    def _verify(self, tokens: torch.Tensor, anchor_pos: torch.Tensor, warp_values):
+    def _verify(self, tokens: torch.Tensor, anchor_pos: torch.Tensor, warp_values, depths=None, tree_mask=None):
         """Target forward on tokens (1, W) = [anchor, drafts] at positions anchor_pos.. (W a `verify_widths` bucket,
-        one graph each): processed logits (W, V) and the drafter's context features of these tokens (1, W, L·H_t)."""
+        one graph each): processed logits (W, V) and the drafter's context features of these tokens (1, W, L·H_t).
+        A tree (`depths` (W,) from 0, `tree_mask` (W, W)): row j at position anchor_pos + depths[j], seeing the
+        committed slots and its tree ancestors (`trees.static_tree_mask`); its own graph per W."""
         width = tokens.shape[1]
         _set_write_position(self.target_cache, anchor_pos)
-        position_ids = (anchor_pos + torch.arange(width, device=tokens.device)).unsqueeze(0)
+        offsets = torch.arange(width, device=tokens.device) if depths is None else depths
+        mask = None if tree_mask is None else static_tree_mask(tree_mask, anchor_pos, self.max_cache_len)
         with self._linear_mode("verify", width):
-            out = self.target(input_ids=tokens, position_ids=position_ids, cache=self.target_cache,
-                              output_hidden_states=self.hidden_request)  # fmt: skip
+            out = self.target(input_ids=tokens, position_ids=(anchor_pos + offsets).unsqueeze(0), attention_mask=mask,
+                              cache=self.target_cache, output_hidden_states=self.hidden_request)  # fmt: skip
         logits = out.logits[0].float()  # (W, V)
         if self.warpers is not None:  # prefix-free: the ids are not read
             logits = warp(logits, self.warpers, warp_values)
         return logits, target_features(out.hidden_states, self.layer_ids, width)
 
-    def compile_verify_widths(self, widths, anchor: torch.Tensor, anchor_pos: int, warp_values) -> None:
-        """Compile the verification graphs of `widths` not compiled yet, on placeholder tokens at the first step's
-        slots (right after the prefill): the first real verification writes from the same slot, so nothing they
-        leave in the cache is ever read. Then no step of a call compiles in the middle of decoding."""
+    def compile_verify_widths(self, widths, anchor: torch.Tensor, anchor_pos: int, warp_values, tree=False) -> None:
+        """Compile the verification graphs of `widths` not compiled yet (`tree`: the tree graphs), on placeholder
+        tokens at the first step's slots (right after the prefill): the first real verification writes from the same
+        slot, so nothing they leave in the cache is ever read. Then no step of a call compiles in the middle of
+        decoding."""
         for width in widths:
-            if width not in self.verified_widths:
+            if (width, tree) not in self.verified_widths:
                 self.prepare("verify", width)
                 placeholder = anchor.reshape(1, 1).expand(1, width).contiguous()  # laid out as the real calls' ids
-                self.verify(placeholder, torch.tensor(anchor_pos, device=anchor.device), warp_values)
-                self.verified_widths.add(width)
+                shape = (torch.arange(width, device=anchor.device), torch.ones(width, width, dtype=torch.bool,
+                                                                               device=anchor.device).tril())
+                self.verify(placeholder, torch.tensor(anchor_pos, device=anchor.device), warp_values,
+                            *(shape if tree else ()))  # fmt: skip
+                self.verified_widths.add((width, tree))
 
     # --- one call -------------------------------------------------------------------------------------------------
 
@@ -458,120 +465,10 @@ def check_compilable(xpress, target, repetition_penalty, no_repeat_ngram_size, l
         )
 
 
-class CompiledSteps:
-    """`decoding.DecodeSteps` on a `CompiledDecoder`: the same steps as the eager loop's, as fixed-shape graphs.
-
-    Verification runs `[anchor, d_1..d_{W-1}]` with W fixed per graph: without a confidence threshold W is the cap's
-    width (one graph per call), with one the smallest `verify_widths` bucket that holds the drafts to verify (only
-    those take part in acceptance; by causality the target's logits at positions 0..m do not depend on the drafts
-    after them). A step with no draft budget verifies placeholder drafts no acceptance reads. Nothing is cropped: the
-    next verification writes from the slot after the committed tokens."""
-
-    def __init__(self, decoder: CompiledDecoder, draft_rule, processors, warp_values):
-        self.decoder, self.processors, self.warp_values = decoder, processors, warp_values
-        self.do_sample = decoder.do_sample
-        self.widest = draft_rule.cap + 1  # anchor + the cap's drafts
-        self.fixed_width = not draft_rule.threshold
-
-    def prefill(self, input_ids):
-        return self.decoder.prefill(input_ids)
-
-    def start(self, sequence) -> None:
-        # Verification widths this call can use, compiled now rather than in the middle of decoding.
-        widths = [self.widest] if self.fixed_width else verify_widths(self.widest)
-        self.decoder.compile_verify_widths(widths, sequence[0, -1], sequence.shape[1] - 1, self.warp_values)
-        self.decoder.prepare("head", self.widest - 1)  # the readout of the cap's drafts
-
-    def draft(self, sequence, features, count, context_len, stats, timer, generator, depth):
-        decoder, block = self.decoder, self.decoder.block
-        if decoder.cuda:  # outputs of the previous step's graphs are dead; what is carried over was cloned
-            torch.compiler.cudagraph_mark_step_begin()
-        anchor = sequence[0, -1].view(1, 1)  # not sequence[:, -1:], whose stride (the length) would recompile
-        t0 = timer.mark()
-        positions = torch.tensor([context_len, count], device=sequence.device)
-        if features.shape[1] <= block:  # padded to B rows: the fixed-shape graph
-            hidden = decoder.drafter(anchor, _pad_rows(features, block), positions[0], positions[1])
-        else:  # a prompt longer than a block: a prefill of varying length, uncompiled
-            hidden = decoder._draft(anchor, features, positions[0], positions[1])
-        t1 = timer.mark()
-        base = decoder.head(hidden[:, : self.widest], decoder.head_rows())  # the cap's drafts only: (1, cap, V_d)
-        t2 = timer.mark()
-        noise = gumbel_noise(base.shape, generator=generator, device=base.device) if self.do_sample else None
-        tokens, logits, iterations = decoder.refiner(hidden[:, 1:], base, anchor.view(1), noise, decoder.folded(),
-                                                     self.warp_values)  # fmt: skip
-        t3 = timer.mark()
-        stats.record("drafter", t0, t1)
-        stats.record("lm_head", t1, t2)
-        stats.record("refiner", t2, t3)
-        stats.jacobi_iterations.append(int(iterations[0]))
-        return RefinementResult(tokens=tokens, logits=logits, iterations=iterations)
-
-    def verify(self, sequence, tree, stats):
-        decoder = self.decoder
-        anchor = sequence[0, -1].view(1, 1)
-        if not len(tree) and decoder.cuda:  # one token left: the drafts are placeholders no acceptance reads
-            torch.compiler.cudagraph_mark_step_begin()
-        width = self.widest if self.fixed_width else verify_width(self.widest, len(tree) + 1)
-        stats.verify_widths.append(width)
-        # [anchor, d_1..d_m], then placeholders to the graph's width: by causality no row up to m reads them.
-        verify_ids = torch.cat([anchor, tree.tokens.view(1, -1), anchor.expand(1, width - 1 - len(tree))], dim=1)
-        anchor_pos = torch.tensor(sequence.shape[1] - 1, device=sequence.device)
-        p_logits, features = decoder.verify(verify_ids, anchor_pos, self.warp_values)
-        return p_logits, (features.clone() if decoder.cuda else features)  # (a CUDA graph reuses its output)
-
-    def commit(self, tree, path) -> None:
-        pass  # the next verification writes from the slot after the committed tokens
-
-
-@contextmanager
-def compiled_steps(xpress, target, input_ids, draft_rule, stats: CompiledGenerationStats, *, max_new_tokens: int,
-                   temperature: float, top_k, top_p, max_cache_len: int | None = None, linear_layout: str = "auto"):  # fmt: skip
-    """The `CompiledSteps` of one `spec_generate(compile=True)` call, on the kept decoder for these models and
-    settings (built, and its graphs compiled, on first use); `stats` gets what the compiled call measured.
-
-    One compiled call at a time in a process: a decoder's static caches and write positions belong to the call that
-    runs it, and dynamo's configuration is process-wide. Every decoder's calls share code objects, so dynamo may keep
-    more than its default 8 entries each (`recompile_limit`); past that it fails loudly rather than fall back to
-    eager. `max_cache_len`: the caches' length (default: this call's bucket, `cache_length`). `linear_layout`: how
-    the graphs compute `F.linear` (`layout_policy`)."""
-    block = xpress.config.block_size
-    cache_len = cache_length(input_ids.shape[1], max_new_tokens, block)
-    if max_cache_len is not None:
-        if not is_integer(max_cache_len):
-            raise ValueError(
-                f"max_cache_len must be an integer number of cache slots, got {max_cache_len!r}: pass an int (e.g. "
-                f"{4 * LENGTH_BUCKET}), or leave it unset to size the caches per call."
-            )
-        needed = input_ids.shape[1] + max_new_tokens + 2 * block
-        if max_cache_len < needed:
-            raise ValueError(
-                f"max_cache_len={max_cache_len!r} cannot hold this call: the prompt ({input_ids.shape[1]} tokens), "
-                f"max_new_tokens ({max_new_tokens}) and two blocks of {block} need at least {needed} slots. Pass a "
-                "larger max_cache_len (one that fits your longest prompt), or leave it unset to size the caches per "
-                "call."
-            )
-        cache_len = int(max_cache_len)
-    if temperature == 0:  # greedy: top-k/top-p do not apply
-        top_k = top_p = None
-    processors = decoding_processors(temperature, top_k, top_p)  # the loop's own picks, outside the graphs
-    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or cache_len
-    limit = recompile_limit(max(max_positions, cache_len), block)
-    with _CALLS, torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
-        decoder = compiled_decoder(xpress, target, cache_len, temperature, top_k, top_p, linear_layout)
-        compiled_before = decoder.compile_seconds
-        warp_values = warper_values(temperature, top_k, top_p, input_ids.device)
-        yield CompiledSteps(decoder, draft_rule, processors, warp_values)
-        stats.time_compile = decoder.compile_seconds - compiled_before
-        stats.weight_major_graphs = [f"{g}:{rows}" for g, rows in sorted(decoder.weight_major)]
-        stats.packed_graphs = [f"{g}:{rows}" for g, rows in sorted(decoder.packed)]
-
-
 __all__ = [
     "CompiledDecoder",
     "CompiledGenerationStats",
-    "CompiledSteps",
     "cache_length",
-    "compiled_steps",
     "jacobi_fixed_iterations",
     "recompile_limit",
     "release_compiled_decoders",

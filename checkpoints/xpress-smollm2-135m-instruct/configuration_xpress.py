@@ -7,6 +7,7 @@ and names the bad value. Target-dependent fields are best derived with `XPressCo
 This file travels with every saved checkpoint, so it imports only torch/transformers.
 """
 
+import math
 import numbers
 from typing import Any
 
@@ -39,6 +40,36 @@ def is_integer(value) -> bool:
 def is_real(value) -> bool:
     """A real number, not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_tree_acceptance(acceptance) -> dict[int, float]:
+    """`acceptance` as {N: τ_N} with int N >= 1 (JSON's string keys read back) and τ_N >= 1 tokens per verification,
+    non-decreasing in N (a best-first tree of N nodes holds the tree of fewer), or a ValueError naming it."""
+    def budget(n) -> int:  # JSON keys are strings
+        if isinstance(n, str) and n.strip().isdigit():
+            return int(n)
+        if is_integer(n):
+            return int(n)
+        raise ValueError(n)
+
+    try:
+        values = {budget(n): float(tau) for n, tau in dict(acceptance).items()}
+        valid = bool(values) and all(n >= 1 and math.isfinite(t) and t >= 1 for n, t in values.items())
+    except (TypeError, ValueError):
+        valid = False
+    if not valid:
+        raise ValueError(
+            f"tree_acceptance must map node budgets N (integers >= 1) to measured tokens per verification (>= 1), "
+            f"e.g. {{4: 2.4, 8: 2.8}}; got {acceptance!r}"
+        )
+    budgets = sorted(values)
+    falling = [b for a, b in zip(budgets, budgets[1:]) if values[b] < values[a]]
+    if falling:
+        raise ValueError(
+            f"tree_acceptance must not decrease with N (a tree of more nodes holds the smaller one), but N={falling[0]} "
+            f"has less than a smaller budget in {acceptance!r}: measure it with examples/tree_benchmark.py"
+        )
+    return {n: values[n] for n in budgets}
 
 
 def check_acceptance(acceptance, block_size: int) -> list[float]:
@@ -202,6 +233,10 @@ class XPressConfig(PreTrainedConfig):
     # writes it, `draft_cap.acceptance_from_blocks`). `spec_generate(..., num_assistant_tokens="auto")` weighs it
     # against this machine's cost of verifying more tokens (`draft_cap.choose_draft_cap`). None: not measured.
     draft_acceptance: list[float] | None = None
+    # Tokens per verification (τ) measured for draft trees of N nodes with the head on: {N: τ} (greedy decoding of
+    # held-out training prompts, examples/tree_benchmark.py). `tree_nodes="auto"` weighs it against this machine's
+    # cost of verifying N + 1 tokens (`draft_cap.choose_draft_shape`). None: not measured.
+    tree_acceptance: dict[int, float] | None = None
 
     def __post_init__(self, **kwargs):
         if self.rope_parameters is None:
@@ -246,6 +281,8 @@ class XPressConfig(PreTrainedConfig):
             )
         if self.draft_acceptance is not None:
             self.draft_acceptance = check_acceptance(self.draft_acceptance, self.block_size)
+        if self.tree_acceptance is not None:
+            self.tree_acceptance = check_tree_acceptance(self.tree_acceptance)
         if self.hidden_size != self.target_hidden_size:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must equal target_hidden_size ({self.target_hidden_size}): the "

@@ -33,6 +33,8 @@ import torch
 
 from .configuration_xpress import check_acceptance, is_integer, is_real
 from .layout_policy import decoder_policy
+from .policy import time_sweeps
+from .trees import build_tree
 from .refinement import RefinementResult
 
 
@@ -150,6 +152,76 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     return choice
 
 
+@dataclass
+class DraftShapeChoice:
+    """What `choose_draft_shape` measured: the linear choice (`linear`, a `DraftCapChoice`) and, per tree budget N of
+    the checkpoint's `tree_acceptance`, the estimated seconds of a tree step (the drafter's products, the readout of
+    every draft position, the construction of N nodes, the verification's products over N + 1 tokens) and its expected
+    tokens per second; `tree_nodes` the budget that beats the linear choice most, or None where none beats it."""
+
+    tree_nodes: int | None
+    linear: DraftCapChoice
+    tree_tokens: dict[int, float]
+    tree_seconds: dict[int, float]
+
+    @property
+    def tree_rates(self) -> dict[int, float]:
+        return {n: self.tree_tokens[n] / self.tree_seconds[n] for n in self.tree_tokens}
+
+    def table(self) -> str:
+        linear = self.linear.tokens_per_second[self.linear.cap - 1]
+        mark = "  <- chosen" if self.tree_nodes is None else ""
+        lines = [f"linear blocks, {self.linear.cap} drafts: {self.linear.expected_tokens[self.linear.cap - 1]:.2f} "
+                 f"tokens per step, {linear:.1f} tokens/s (products only){mark}"]  # fmt: skip
+        for n, rate in self.tree_rates.items():
+            mark = "  <- chosen" if n == self.tree_nodes else ""
+            lines.append(f"tree of {n:>3} nodes: {self.tree_tokens[n]:.2f} tokens per step, step "
+                         f"{1e3 * self.tree_seconds[n]:.1f} ms, {rate:.1f} tokens/s (products and construction){mark}")  # fmt: skip
+        return "\n".join(lines)
+
+
+def choose_draft_shape(xpress, target, *, compiled: bool = True, linear_layout: str = "auto",
+                       repeats: int = 5) -> DraftShapeChoice:  # fmt: skip
+    """`tree_nodes="auto"`: a draft tree of the budget with the most expected tokens per second on this machine, or
+    linear blocks (None) where no tree beats the linear cap chosen here (`choose_draft_cap`). τ per budget is the
+    checkpoint's `config.tree_acceptance`; the costs are the loop's products timed in its own layouts, as for the cap,
+    plus the tree's construction (the head on each node's path), timed on this drafter. On a GPU, where verifying
+    more tokens costs little, that is the largest budget that pays; on a CPU in fp32 often none."""
+    acceptance = getattr(xpress.config, "tree_acceptance", None)
+    if acceptance is None:
+        raise ValueError(
+            "this checkpoint's config has no tree_acceptance, so tree_nodes='auto' cannot weigh a tree against its "
+            "cost: pass an integer tree_nodes, or measure it on held-out prompts (examples/tree_benchmark.py) and set "
+            "xpress.config.tree_acceptance = {N: tokens per verification, ...}"
+        )
+    linear = choose_draft_cap(xpress, target, compiled=compiled, linear_layout=linear_layout, repeats=repeats)
+    key = ("trees", id(target), tuple(acceptance.items()), compiled, linear_layout, torch.get_num_threads(),
+           target.dtype, xpress.dtype, target.device)  # fmt: skip
+    kept = _kept_choices(xpress).get(key)
+    if kept is not None and kept[0]() is target:
+        return kept[1]
+    n = xpress.config.block_size - 1
+    policy = decoder_policy(linear_layout, target, xpress, compiled=compiled)
+    budgets = list(acceptance)
+    products = policy.products_seconds([("head", n)] + [("verify", b + 1) for b in budgets], repeats=repeats)
+    generator = torch.Generator(device=xpress.device).manual_seed(0)  # not the caller's random state
+    hidden = torch.randn(1, n, xpress.config.hidden_size, generator=generator, device=xpress.device)
+    width = xpress.config.draft_vocab_size or xpress.config.vocab_size
+    base = torch.randn(1, n, width, generator=generator, device=xpress.device) * 4
+    with torch.no_grad():
+        build = time_sweeps([lambda b=b: build_tree(xpress, hidden.to(xpress.dtype), base, 0, b) for b in budgets],
+                            xpress.device, repeats)  # fmt: skip
+    seconds = {b: linear.draft_seconds + products[0] + products[1 + i] + build[i] for i, b in enumerate(budgets)}
+    rates = {b: acceptance[b] / seconds[b] for b in budgets}
+    best = max(budgets, key=lambda b: (rates[b], -b))
+    choice = DraftShapeChoice(
+        tree_nodes=best if rates[best] > linear.tokens_per_second[linear.cap - 1] else None,
+        linear=linear, tree_tokens=dict(acceptance), tree_seconds=seconds,
+    )  # fmt: skip
+    _kept_choices(xpress)[key] = (weakref.ref(target), choice)
+    return choice
+
+
 @dataclass(frozen=True)
 class DraftLengthRule:
     """How many drafts of a block go to verification: at most `cap`, cut by cumulative confidence (`draft_length`)."""
@@ -223,9 +295,11 @@ def draft_length(result: RefinementResult, threshold: float | None, budget: int)
 __all__ = [
     "DraftCapChoice",
     "DraftLengthRule",
+    "DraftShapeChoice",
     "acceptance_from_blocks",
     "best_cap",
     "choose_draft_cap",
+    "choose_draft_shape",
     "draft_length",
     "draft_length_rule",
     "expected_tokens",

@@ -47,17 +47,19 @@ def compile_cache_length(xpress, prompts: list[torch.Tensor], max_new_tokens: in
     """One static cache length for every prompt, so `spec_generate(compile=True)` compiles once for all of them."""
     from ..compiled import cache_length
 
-    return cache_length(max(int(p.shape[1]) for p in prompts), max_new_tokens, xpress.config.block_size)
+    widest_tree = max(getattr(xpress.config, "tree_acceptance", None) or [0])  # room for the tree "auto" may pick
+    return cache_length(max(int(p.shape[1]) for p in prompts), max_new_tokens + widest_tree, xpress.config.block_size)
 
 
 @torch.inference_mode()
 def compare_greedy(target, xpress, prompts: list[torch.Tensor], *, max_new_tokens: int = 64, tokenizer=None,
                    warmup: bool = True, compiled: bool = False,
-                   num_assistant_tokens: int | None = None) -> list[ComparisonRow]:  # fmt: skip
+                   num_assistant_tokens: int | None = None, tree_nodes=None) -> list[ComparisonRow]:  # fmt: skip
     """Greedy-decode each prompt (1, T) with the target alone and with `assistant_model=xpress` (and, with `compiled`,
     with `xpress.spec_generate(target, ..., compile=True)`, compiled during the warm-up), one after the other per
     prompt so machine noise hits them alike. Returns one row per prompt; the ratio of summed times is the speedup.
-    `num_assistant_tokens`: drafts verified per block by both xPress decoders (None: the xPress config's)."""
+    `num_assistant_tokens`: drafts verified per block by both xPress decoders (None: the xPress config's);
+    `tree_nodes`: the compiled decoder's (None: linear blocks; "auto": a tree where one pays on this machine)."""
     cache_len = compile_cache_length(xpress, prompts, max_new_tokens) if compiled and prompts else None
     assisted = {} if num_assistant_tokens is None else {"num_assistant_tokens": num_assistant_tokens}
     if warmup and prompts:
@@ -65,7 +67,8 @@ def compare_greedy(target, xpress, prompts: list[torch.Tensor], *, max_new_token
         target.generate(prompts[0], max_new_tokens=4, do_sample=False, assistant_model=xpress, **assisted)
         if compiled:  # two blocks' worth, so every graph of the loop (not only the first step's) is compiled here
             xpress.spec_generate(target, prompts[0], max_new_tokens=2 * xpress.config.block_size, compile=True,
-                                 max_cache_len=cache_len, num_assistant_tokens=num_assistant_tokens)  # fmt: skip
+                                 max_cache_len=cache_len, num_assistant_tokens=num_assistant_tokens,
+                                 tree_nodes=tree_nodes)  # fmt: skip
     rows = []
     clock = WallClock(target.device)  # synchronises CUDA, so GPU times are real
     for ids in prompts:
@@ -86,7 +89,8 @@ def compare_greedy(target, xpress, prompts: list[torch.Tensor], *, max_new_token
         if compiled:
             t3 = clock.now()
             out = xpress.spec_generate(target, ids, max_new_tokens=max_new_tokens, compile=True,
-                                       max_cache_len=cache_len, num_assistant_tokens=num_assistant_tokens)  # fmt: skip
+                                       max_cache_len=cache_len, num_assistant_tokens=num_assistant_tokens,
+                                 tree_nodes=tree_nodes)  # fmt: skip
             row.compiled_seconds = clock.now() - t3
             row.compiled_identical = torch.equal(plain, out.sequences)
             row.compiled_tau = out.stats.mean_tau
