@@ -18,18 +18,18 @@ from transformers import DynamicCache, LogitsProcessorList
 
 from .compiled import CompiledGenerationStats, check_compilable
 from .compiled_loop import compiled_steps
+from .configuration_xpress import is_integer
 from .draft_cap import DraftLengthRule, choose_draft_shape, draft_length, draft_length_rule, resolve_draft_cap
 from .drafting import draft_block, run_drafter, target_features
 from .layout_policy import decoder_policy
-from .configuration_xpress import is_integer
 from .policy import LinearPolicy, check_linear_layout
 from .processors import (
     check_decoding_arguments, decoding_processors, process_verification_logits, processors_transform,
     stop_token_tensor, vocabulary_local,
 )  # fmt: skip
 from .refinement import RefinementResult
-from .trees import DraftTree, accept_tree_greedy, accept_tree_sampling, build_tree, keep_path, path_rows, verify_tree
 from .stats import SectionTimer, XPressGenerationStats
+from .trees import DraftTree, accept_tree_greedy, accept_tree_sampling, build_tree, keep_path, path_rows, verify_tree
 
 
 @dataclass
