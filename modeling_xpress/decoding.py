@@ -238,11 +238,8 @@ class EagerSteps:
             else:
                 out = verify_tree(self.target, self.target_cache, int(sequence[0, -1]), tree,
                                   output_hidden_states=self.hidden_request)  # fmt: skip
-        if tree.chain:
-            p_logits = process_verification_logits(self.processors, sequence, tree.tokens, out.logits[0].float())
-        else:  # prefix-free processors only (`check_tree_arguments`): every row is processed alike
-            logits = out.logits[0].float()
-            p_logits = self.processors(sequence.expand(width, -1), logits) if self.processors else logits
+        # (a tree has prefix-free processors only, `check_tree_arguments`: every row is processed alike)
+        p_logits = process_verification_logits(self.processors, sequence, tree.tokens, out.logits[0].float())
         return p_logits, target_features(out.hidden_states, self.layer_ids, width)
 
     def commit(self, tree, path) -> None:
