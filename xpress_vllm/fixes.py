@@ -1,0 +1,43 @@
+"""A fix for a vLLM-CPU bug that breaks every speculative method at temperature > 0, installed by `register`.
+
+vLLM 0.32's CPU build replaces the rejection sampler's `expand_kernel` (per-request values such as temperatures
+expanded to one per draft token) with `vllm.utils.cpu_triton_utils._expand_kernel_impl`. That function casts the
+output buffer to int64 before the C++ kernel fills it: for the float temperatures the kernel writes into a copy, the
+real buffer stays as `new_empty` left it, and the target's logits are divided by garbage. Measured here with vLLM's
+own ngram method as with dFlash: NaN target probabilities, near-zero acceptance, and "recovered" tokens drawn from
+them, so sampled output is not the target's distribution. (The cast also truncates a temperature of 0.5 to 0.)
+
+`expand_kernel_impl` does the same expansion in torch, for any dtype. It is put in place of the broken function
+before vLLM's CPU platform registers its kernel overrides (plugins load first in every vLLM process), so vLLM's own
+override machinery installs it; nothing else changes.
+"""
+
+import os
+
+import torch
+
+
+def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+    """output[cu[i-1]:cu[i]] = input_val[i] (replace_from → replace_to), in the output's own dtype."""
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    expanded = values.repeat_interleave(counts)
+    output[: expanded.shape[0]] = expanded.to(output.dtype)
+
+
+def install_cpu_fixes() -> None:
+    """Replace the broken CPU expand override (vLLM 0.32's CPU build only; a no-op elsewhere).
+    XPRESS_VLLM_KEEP_CPU_EXPAND=1 keeps vLLM's own, to reproduce the bug (the tests check their χ² test sees it)."""
+    if os.environ.get("XPRESS_VLLM_KEEP_CPU_EXPAND") == "1":
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.utils import cpu_triton_utils
+
+    if hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+
+
+__all__ = ["expand_kernel_impl", "install_cpu_fixes"]

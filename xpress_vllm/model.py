@@ -1,0 +1,161 @@
+"""An xPress checkpoint as a vLLM dFlash drafter: vLLM's own dFlash layers, plus what an xPress drafter differs in.
+
+* **Attention without QK-norm** where the checkpoint has none (`qk_norm=False`: a Llama-style drafter, such as the
+  bundled SmolLM2 one). vLLM's dFlash attention always normalises queries and keys; here both norms are identities,
+  for the block's queries and keys and for the context keys vLLM precomputes.
+* **A learned mask vector** (`mask_token_id=None`): mask slots carry an id no token has (`XPressVLLMConfig`), and
+  `embed_input_ids` puts the vector there.
+* **A draft vocabulary**: the readout takes the draft vocabulary's rows of the target's own lm_head (vLLM shares the
+  target's lm_head with a drafter that has none), as `XPressModel.draft_logits` does.
+* **The correction head** (`config.refiner`), applied to every proposal by `draft`, which `proposer` calls in place
+  of vLLM's per-position sampling.
+
+The checkpoint is read as saved by `XPressModel.save_pretrained`; nothing is converted on disk.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
+
+from modeling_xpress.configuration_xpress import XPressConfig
+from modeling_xpress.heads import HEADS
+from modeling_xpress.modeling_xpress import check_draft_token_ids
+
+from . import check_vllm_version
+from .refine import refine_proposals
+
+class NoQKNorm(nn.Module):
+    """Stands where vLLM's dFlash attention expects a per-head RMSNorm, for a drafter trained without one. It keeps
+    the attributes vLLM's fused context-K/V precompute reads (`weight`, `variance_epsilon`); the model skips that
+    norm itself (`XPressDFlashModel._normalize_context_k`)."""
+
+    def __init__(self, head_dim: int, eps: float):
+        super().__init__()
+        self.variance_epsilon = eps
+        self.register_buffer("weight", torch.ones(head_dim), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class XPressDFlashModel(DFlashQwen3Model):
+    """vLLM's dFlash drafter layers with an xPress checkpoint's attention (QK-norm or not) and mask vector."""
+
+    def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int = 0, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, start_layer_id=start_layer_id, prefix=prefix)
+        self.qk_norm = bool(getattr(self.config, "qk_norm", True))
+        if not self.qk_norm:
+            for layer in self.layers:
+                attn = layer.self_attn
+                eps = attn.q_norm.variance_epsilon
+                attn.q_norm, attn.k_norm = NoQKNorm(attn.head_dim, eps), NoQKNorm(attn.head_dim, eps)
+
+    def _normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:
+        return super()._normalize_context_k(all_k) if self.qk_norm else all_k
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.has_separate_mask_embedding:
+            return super().embed_input_ids(input_ids)
+        is_mask = input_ids == self.mask_token_id
+        # The mask id may lie past the embedding table (a drafter with its own mask vector): embed a real id there.
+        embeds = self.embed_tokens(torch.where(is_mask, torch.zeros_like(input_ids), input_ids))
+        return torch.where(is_mask.unsqueeze(-1), self.mask_embedding.to(embeds.dtype), embeds)
+
+
+class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
+    """vLLM's dFlash drafter class for an xPress checkpoint (architecture `XPressModel`)."""
+
+    model_cls = XPressDFlashModel
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        check_vllm_version()
+        if get_tensor_model_parallel_world_size() > 1:
+            raise NotImplementedError(
+                "xpress_vllm is tested with tensor_parallel_size=1 only (the draft-vocabulary readout gathers rows of "
+                "an unsharded lm_head). Serve with --tensor-parallel-size 1, or use vLLM's own dFlash drafter."
+            )
+        spec = vllm_config.speculative_config
+        source = spec.draft_model_config
+        config = XPressConfig.from_pretrained(source.model, revision=source.revision)
+        config.check_target(vllm_config.model_config.hf_config)
+        if spec.num_speculative_tokens > config.num_draft_tokens:
+            raise ValueError(
+                f"num_speculative_tokens={spec.num_speculative_tokens}, but this xPress drafter drafts blocks of "
+                f"{config.block_size} (at most {config.num_draft_tokens} draft tokens). Pass num_speculative_tokens "
+                f"<= {config.num_draft_tokens}."
+            )
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.xpress_config = config
+        self.draft_id_to_target_id = None  # the draft vocabulary is `draft_token_ids`, read from the checkpoint
+        self.refiner = HEADS[self.xpress_config.refiner](self.xpress_config)
+        size = self.xpress_config.draft_vocab_size
+        self.register_buffer("draft_token_ids", torch.arange(size) if size else None, persistent=False)
+        self._readout_rows: tuple[tuple, torch.Tensor] | None = None
+
+    # --- weights -------------------------------------------------------------------------------------------------
+
+    def _read_mask_embedding(self) -> torch.Tensor | None:
+        return None  # an xPress checkpoint stores its mask vector in model.safetensors (`load_weights`)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        head, drafter, mask_vector, vocabulary = {}, [], None, None
+        for name, tensor in weights:
+            if name.startswith("refiner."):
+                head[name.removeprefix("refiner.")] = tensor
+            elif name == "draft_token_ids":
+                vocabulary = tensor
+            elif name == "mask_embedding":
+                mask_vector = tensor
+            else:
+                drafter.append((name, tensor))
+        if (mask_vector is None) != (self.xpress_config.mask_token_id is not None):
+            raise ValueError(
+                "The checkpoint's mask_embedding does not match its config (a learned mask vector exactly when "
+                "mask_token_id is null); re-save it with XPressModel.save_pretrained."
+            )
+        if mask_vector is not None:
+            self.model.has_separate_mask_embedding = True
+            drafter.append(("mask_embedding", mask_vector))
+        if self.draft_token_ids is not None:
+            if vocabulary is None:
+                raise ValueError("The checkpoint has draft_vocab_size set but stores no draft_token_ids")
+            check_draft_token_ids(vocabulary, self.xpress_config.draft_vocab_size, self.xpress_config.vocab_size)
+            self.draft_token_ids.copy_(vocabulary.to(self.draft_token_ids.device))
+        self.refiner.load_state_dict(head, strict=True)
+        super().load_weights(drafter)
+
+    # --- readout and drafting ------------------------------------------------------------------------------------
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Drafter logits (N, V_d) over the draft vocabulary (the whole vocabulary without one) for hidden (N, H),
+        through the target's lm_head (vLLM shares it: an xPress checkpoint has none of its own)."""
+        weight = self.lm_head.weight
+        if self.draft_token_ids is None:
+            return F.linear(hidden, weight)
+        key = (weight.data_ptr(), weight._version, weight.dtype)
+        if self._readout_rows is None or self._readout_rows[0] != key:
+            self._readout_rows = (key, weight.index_select(0, self.draft_token_ids))
+        return F.linear(hidden.to(weight.dtype), self._readout_rows[1])
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The drafter's own logits over the target vocabulary (-inf outside the draft vocabulary), before the head."""
+        logits = self.draft_logits(hidden_states)
+        if self.draft_token_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.xpress_config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.draft_token_ids, logits)
+
+    def draft(self, hidden: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor | None):
+        """Each request's proposal from its K drafter states (b, K, H) and anchor (b,): `refine.refine_proposals`."""
+        b, k, width = hidden.shape
+        base = self.draft_logits(hidden.reshape(b * k, width)).view(b, k, -1)
+        return refine_proposals(self.refiner, self.xpress_config, hidden, base, anchors, self.draft_token_ids,
+                                temperature)  # fmt: skip
+
+
+__all__ = ["XPressDFlashForCausalLM", "XPressDFlashModel"]

@@ -1,0 +1,61 @@
+"""The head's decode of a batch of proposals, one per request, as vLLM asks for it: greedy, or sampled at each
+request's own temperature with the distribution each draft was drawn from. It imports torch and modeling_xpress
+only (no vLLM), so the tests check it against `XPressModel.refine` in the main virtualenv."""
+
+import torch
+
+from modeling_xpress.configuration_xpress import XPressConfig
+from modeling_xpress.refinement import RefinementResult, gumbel_noise, plain_decode
+
+# vLLM's threshold below which a request's temperature means greedy (vllm/v1/sample/sampler.py, _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+
+
+@torch.no_grad()
+def refine_proposals(head, config: XPressConfig, hidden: torch.Tensor, base: torch.Tensor, anchors: torch.Tensor,
+                     token_ids: torch.Tensor | None, temperature: torch.Tensor | None = None,
+                     noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """One proposal per request, decoded by the checkpoint's head.
+
+    hidden: (b, K, H) drafter states of each request's K draft positions; base: (b, K, V_d) drafter logits over the
+    draft vocabulary `token_ids` (the whole vocabulary when None); anchors: (b,) each request's last committed token;
+    temperature: (b,) per request when vLLM samples drafts (`draft_sample_method="probabilistic"`), else None
+    (greedy); noise: (b, K, V_d) Gumbel noise (drawn here when None). Returns draft token ids (b, K) and, when
+    sampling, q (b, K, V) over the target vocabulary: q_k = softmax((s_k + δ_k(y_<k)) / T), the distribution y_k was
+    drawn from given the request's own drafted prefix y_<k.
+
+    Greedy: the Jacobi fixed point of y_k = argmax(s_k + δ_k(y_<k)), the sequential decode. Sampling: the same
+    iteration on (s_k + δ_k) / T + G_k with G fixed per block, so y_k is a draw from q_k given y_<k. vLLM's rejection
+    sampler accepts y_k with min(1, p/q_k) and otherwise resamples from norm(max(p − q_k, 0)), which leaves the
+    target's distribution p exactly. A request whose temperature is below `SAMPLING_EPS` is greedy in the same batch
+    (vLLM does not read its q).
+    """
+    b = base.shape[0]
+    transform = None
+    if temperature is not None:
+        greedy = temperature < SAMPLING_EPS
+        scale = torch.where(greedy, torch.ones_like(temperature), temperature).float().view(b, 1, 1)
+        transform = lambda logits: logits / scale  # noqa: E731
+        if noise is None:
+            noise = gumbel_noise(base.shape, device=base.device)
+        noise = noise.masked_fill(greedy.view(b, 1, 1), 0.0)
+    else:
+        noise = None
+    base = base.float()
+    if config.jacobi_max_iters == 0 or not head.corrects:  # the head switched off: the drafter's own marginals
+        result: RefinementResult = plain_decode(base, logits_transform=transform, noise=noise, token_ids=token_ids)
+    else:
+        weight = next(head.parameters())
+        result = head.decode(
+            hidden.to(weight.dtype), base, anchors, logits_transform=transform, noise=noise,
+            max_iters=config.jacobi_max_iters, early_exit=config.jacobi_early_exit, token_ids=token_ids,
+        )  # fmt: skip
+    if temperature is None:
+        return result.tokens, None
+    probs = result.logits.softmax(dim=-1)
+    if token_ids is not None:
+        probs = probs.new_zeros(*probs.shape[:-1], config.vocab_size).index_copy_(2, token_ids, probs)
+    return result.tokens, probs
+
+
+__all__ = ["SAMPLING_EPS", "refine_proposals"]
