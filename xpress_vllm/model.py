@@ -83,6 +83,12 @@ class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
         source = spec.draft_model_config
         config = XPressConfig.from_pretrained(source.model, revision=source.revision)
         config.check_target(vllm_config.model_config.hf_config)
+        if max(config.target_layer_ids) >= config.num_target_layers - 1:
+            raise ValueError(
+                f"target_layer_ids {config.target_layer_ids}: vLLM reads a target layer's output at the next layer's "
+                f"input, so the last layer ({config.num_target_layers - 1}) cannot be one of them. Serve this "
+                "checkpoint with transformers, or train a drafter on earlier layers."
+            )
         if spec.num_speculative_tokens > config.num_draft_tokens:
             raise ValueError(
                 f"num_speculative_tokens={spec.num_speculative_tokens}, but this xPress drafter drafts blocks of "
@@ -134,9 +140,9 @@ class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Drafter logits (N, V_d) over the draft vocabulary (the whole vocabulary without one) for hidden (N, H),
         through the target's lm_head (vLLM shares it: an xPress checkpoint has none of its own)."""
-        weight = self.lm_head.weight
+        weight = self.lm_head.weight  # vLLM pads its rows to a multiple of 64: read the real vocabulary only
         if self.draft_token_ids is None:
-            return F.linear(hidden, weight)
+            return F.linear(hidden.to(weight.dtype), weight[: self.xpress_config.vocab_size])
         key = (weight.data_ptr(), weight._version, weight.dtype)
         if self._readout_rows is None or self._readout_rows[0] != key:
             self._readout_rows = (key, weight.index_select(0, self.draft_token_ids))
