@@ -18,11 +18,5 @@ class XPressVLLMConfig(XPressConfig):
         mask_id = self.vocab_size if self.mask_token_id is None else self.mask_token_id
         self.dflash_config = {"mask_token_id": mask_id, "target_layer_ids": list(self.target_layer_ids)}
 
-    def xpress_config(self) -> XPressConfig:
-        """The plain `XPressConfig` of the same checkpoint."""
-        fields = self.to_dict()
-        fields.pop("dflash_config", None)
-        return XPressConfig.from_dict(fields)
-
 
 __all__ = ["XPressVLLMConfig"]
