@@ -9,7 +9,7 @@ from .configuration_xpress import XPressConfig, default_target_layer_ids
 from .decoding import XPressGenerateOutput, spec_generate
 from .generation import XPressCandidateGenerator, install_generation_hook
 from .modeling_xpress import MarkovHead, XPressModel, XPressPreTrainedModel, XPressRefiner
-from .refinement import RefinementResult, jacobi_refine, markov_decode, plain_decode, sequential_refine
+from .refinement import RefinementResult, jacobi_refine, plain_decode, sequential_refine
 from .stats import XPressGenerationStats
 
 __version__ = "0.1.0"
@@ -27,7 +27,6 @@ __all__ = [
     "default_target_layer_ids",
     "install_generation_hook",
     "jacobi_refine",
-    "markov_decode",
     "plain_decode",
     "sequential_refine",
     "spec_generate",

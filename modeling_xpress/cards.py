@@ -18,6 +18,11 @@ _REFINERS = {
     "none": "no correction head (plain dFlash drafter)",
 }
 
+# The config fields the card template shows under their own names.
+_CARD_CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "block_size",
+                       "target_layer_ids", "num_target_layers", "refiner", "refiner_rank", "jacobi_max_iters",
+                       "jacobi_early_exit")
+
 
 def results_markdown(results: list[dict] | None) -> str:
     """A Markdown table from evaluation rows ({"dataset", "temperature", "method", "tau", ...})."""
@@ -77,18 +82,8 @@ def render_model_card(
         target_model=target,
         num_draft_tokens=config.block_size - 1,
         refiner_description=_REFINERS[config.refiner],
-        num_hidden_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        block_size=config.block_size,
-        target_layer_ids=config.target_layer_ids,
-        num_target_layers=config.num_target_layers,
         mask_description=mask,
-        refiner=config.refiner,
-        refiner_rank=config.refiner_rank,
-        jacobi_max_iters=config.jacobi_max_iters,
-        jacobi_early_exit=config.jacobi_early_exit,
+        **{field: getattr(config, field) for field in _CARD_CONFIG_FIELDS},
         results_table=results_markdown(results),
         evaluation_summary=evaluation_summary,
         training_summary=training_summary,

@@ -136,49 +136,23 @@ def sequential_refine(
     noise: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
 ) -> RefinementResult:
-    """Slow left-to-right reference: y_k from the unfolded refiner given the already decoded y_{<k}.
+    """Left-to-right decode: y_k from the unfolded head given the already decoded y_{<k}, n dependent head passes.
 
-    n refiner passes per block; used by the tests to check Jacobi against (Theorem 1). As there, `base_logits` may
-    cover only the first n of hidden's positions."""
+    The tests' reference for Jacobi (Theorem 1), and the Markov head's own decode (its δ reads only the previous
+    token, so nothing parallel pays). As there, `base_logits` may cover only the first n of hidden's positions."""
+    to_vocabulary = to_vocabulary or _identity
     b, n, v = base_logits.shape
-    tokens = torch.zeros(b, hidden.shape[1], dtype=torch.long, device=base_logits.device)  # later ones never read
+    tokens = torch.zeros(hidden.shape[:2], dtype=torch.long, device=base_logits.device)  # later ones never read
     logits = torch.empty(b, n, v, dtype=torch.float32, device=base_logits.device)
     for k in range(n):
         # Positions > k are ignored by causality; slices stay 3-D (b, 1, V) because a logits transform takes blocks.
         previous = previous_tokens(anchor_ids, target_ids(tokens, token_ids))
-        delta = (to_vocabulary or _identity)(refiner(hidden, previous)[:, k : k + 1])
+        delta = to_vocabulary(refiner(hidden, previous)[:, k : k + 1])
         step_noise = None if noise is None else noise[:, k : k + 1]
         step_logits, step_tokens = decode(base_logits[:, k : k + 1] + delta, logits_transform, step_noise)
         logits[:, k], tokens[:, k] = step_logits[:, 0], step_tokens[:, 0]
     return RefinementResult(tokens=target_ids(tokens[:, :n], token_ids), logits=logits,
                             iterations=torch.full((b,), n, device=tokens.device))
-
-
-@torch.no_grad()
-def markov_decode(
-    head,
-    base_logits: torch.Tensor,
-    anchor_ids: torch.Tensor,
-    *,
-    to_vocabulary: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    logits_transform: LogitsTransform | None = None,
-    noise: torch.Tensor | None = None,
-    token_ids: torch.Tensor | None = None,
-) -> RefinementResult:
-    """The Markov head's serial decode: n dependent steps, each reading only the previous token."""
-    to_vocabulary = to_vocabulary or _identity
-    b, n, v = base_logits.shape
-    tokens = torch.empty(b, n, dtype=torch.long, device=base_logits.device)
-    logits = torch.empty(b, n, v, dtype=torch.float32, device=base_logits.device)
-    previous = anchor_ids.view(b, 1)  # a target id
-    for k in range(n):
-        # One position at a time, kept 3-D (b, 1, V): a logits transform takes a block of positions.
-        step_noise = None if noise is None else noise[:, k : k + 1]
-        bias = to_vocabulary(head.bias(previous))
-        step_logits, step_tokens = decode(base_logits[:, k : k + 1] + bias, logits_transform, step_noise)
-        previous = target_ids(step_tokens, token_ids)
-        logits[:, k], tokens[:, k] = step_logits[:, 0], previous[:, 0]
-    return RefinementResult(tokens=tokens, logits=logits, iterations=torch.full((b,), n, device=tokens.device))
 
 
 @torch.no_grad()
@@ -200,7 +174,6 @@ __all__ = [
     "gumbel_noise",
     "jacobi_refine",
     "sequential_refine",
-    "markov_decode",
     "plain_decode",
     "previous_tokens",
     "target_ids",

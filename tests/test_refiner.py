@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from modeling_xpress import XPressConfig, XPressModel, jacobi_refine, markov_decode, sequential_refine
+from modeling_xpress import XPressConfig, XPressModel, jacobi_refine, sequential_refine
 from modeling_xpress.refinement import gumbel_noise
 from modeling_xpress.modeling_xpress import XPressRefiner
 
@@ -173,8 +173,8 @@ def test_markov_head_serial_decode_matches_definition():
     with torch.no_grad():
         for p in model.refiner.parameters():
             p.normal_(std=1.0)
-    _, base, anchor = block_inputs()
-    result = markov_decode(model.refiner, base, anchor)
+    hidden, base, anchor = block_inputs()
+    result = model.refiner.decode(hidden, base, anchor)
     previous = anchor
     for k in range(N):
         expected = (base[:, k] + model.refiner.bias(previous)).argmax(-1)

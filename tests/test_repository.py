@@ -80,3 +80,14 @@ def test_legacy_snapshots_are_still_tracked():
         f"LEGACY_SNAPSHOTS may only hold old training snapshots under checkpoints/training/, not {elsewhere}. Remove "
         "them from the list and keep those files out of git."
     )
+
+
+def test_readme_is_a_users_guide():
+    """At most 300 lines, and nothing that points outside the repository (the brief, the paper's draft folder)."""
+    readme = (REPO / "README.md").read_text().splitlines()
+    assert len(readme) <= 300, (
+        f"README.md has {len(readme)} lines; keep it a user's guide of at most 300 and move measurement records and "
+        "details to docs/ (results in docs/results.md)."
+    )
+    outside = [(i + 1, line) for i, line in enumerate(readme) if "../shared" in line or "SPEC §" in line]
+    assert not outside, f"README.md refers to documents outside the repository: {outside}"

@@ -11,7 +11,7 @@ import torch.nn as nn
 from transformers import initialization as init
 
 from .configuration_xpress import XPressConfig
-from .refinement import RefinementResult, jacobi_refine, markov_decode, plain_decode
+from .refinement import RefinementResult, jacobi_refine, plain_decode, sequential_refine
 
 
 class Readout(nn.Linear):
@@ -236,8 +236,8 @@ class MarkovHead(CorrectionHead):
     def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
                max_iters=0, early_exit=True, token_ids=None):  # fmt: skip
         """The serial decode: n dependent steps, whatever `max_iters` ≥ 1 says (`refine` never calls it with 0)."""
-        return markov_decode(self, base_logits, anchor_ids, to_vocabulary=to_vocabulary,
-                             logits_transform=logits_transform, noise=noise, token_ids=token_ids)  # fmt: skip
+        return sequential_refine(self, hidden, base_logits, anchor_ids, to_vocabulary=to_vocabulary,
+                                 logits_transform=logits_transform, noise=noise, token_ids=token_ids)  # fmt: skip
 
 
 class NoHead(CorrectionHead):

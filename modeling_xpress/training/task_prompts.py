@@ -128,6 +128,19 @@ _COMPANIES = ["Northwind", "Bluepeak", "Orbit Labs", "Greenfield Foods", "Lumen 
 _CITIES = ["Lisbon", "Osaka", "Denver", "Nairobi", "Lyon", "Toronto", "Perth", "Bogotá", "Krakow", "Chennai"]
 
 
+_EXTRACTION_ASKS = (
+    ["Rate each review from 1 to 5 and return the result as a JSON list of numbers.",
+     "For each review, give the reviewer's name and whether the review is positive, neutral or negative, as a table.",
+     "Summarize the overall opinion of these reviews in two sentences."],
+    ["Extract the company names, cities and revenues as a JSON object keyed by company.",
+     "Which company grew the most, and which had the highest revenue? Answer in one line each.",
+     "Turn this into a table with the columns company, city, revenue and change."],
+    ["List every person with their city, sorted by age, as 'name - city - age'.",
+     "Return a JSON array of objects with the keys name, age, city and job.",
+     "Who is the oldest and who is the youngest? Explain how you found out."],
+)
+
+
 def extraction_prompt(rng: random.Random) -> str:
     """A short passage made here, and a request to pull structured facts out of it."""
     style = rng.randrange(3)
@@ -138,28 +151,21 @@ def extraction_prompt(rng: random.Random) -> str:
             stars = rng.randint(1, 5)
             item = product.removeprefix("a ").removeprefix("an ")
             reviews.append(f"Review {i + 1} ({pick(rng, NAMES)}): My {item} {pick(rng, _REVIEW_WORDS[stars])}.")
-        ask = pick(rng, ["Rate each review from 1 to 5 and return the result as a JSON list of numbers.",
-                          "For each review, give the reviewer's name and whether the review is positive, neutral or "
-                          "negative, as a table.", "Summarize the overall opinion of these reviews in two sentences."])
-        return "Here are customer reviews of " + product + ":\n" + "\n".join(reviews) + "\n\n" + ask
-    if style == 1:
+        passage = f"Here are customer reviews of {product}:\n" + "\n".join(reviews)
+    elif style == 1:
         lines = []
         for company in rng.sample(_COMPANIES, rng.randint(3, 4)):
             revenue, change = rng.randint(5, 900), rng.randint(-30, 45)
             lines.append(f"{company}, based in {pick(rng, _CITIES)}, reported revenue of ${revenue} million in "
                          f"{rng.randint(2015, 2024)}, {'up' if change >= 0 else 'down'} {abs(change)}% on the year before.")
-        ask = pick(rng, ["Extract the company names, cities and revenues as a JSON object keyed by company.",
-                          "Which company grew the most, and which had the highest revenue? Answer in one line each.",
-                          "Turn this into a table with the columns company, city, revenue and change."])
-        return "Read the following report:\n" + " ".join(lines) + "\n\n" + ask
-    people = []
-    for name in rng.sample(NAMES, rng.randint(3, 5)):
-        people.append(f"{name} is {rng.randint(19, 70)} years old, lives in {pick(rng, _CITIES)} and works as a "
-                      f"{pick(rng, ['nurse', 'teacher', 'pilot', 'designer', 'farmer', 'chemist', 'lawyer', 'baker'])}.")
-    ask = pick(rng, ["List every person with their city, sorted by age, as 'name - city - age'.",
-                      "Return a JSON array of objects with the keys name, age, city and job.",
-                      "Who is the oldest and who is the youngest? Explain how you found out."])
-    return "Here is some information:\n" + "\n".join(people) + "\n\n" + ask
+        passage = "Read the following report:\n" + " ".join(lines)
+    else:
+        people = []
+        for name in rng.sample(NAMES, rng.randint(3, 5)):
+            people.append(f"{name} is {rng.randint(19, 70)} years old, lives in {pick(rng, _CITIES)} and works as a "
+                          f"{pick(rng, ['nurse', 'teacher', 'pilot', 'designer', 'farmer', 'chemist', 'lawyer', 'baker'])}.")
+        passage = "Here is some information:\n" + "\n".join(people)
+    return passage + "\n\n" + pick(rng, _EXTRACTION_ASKS[style])
 
 
 def reasoning_prompt(rng: random.Random) -> str:
