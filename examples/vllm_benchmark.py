@@ -96,11 +96,12 @@ def run_engine(args) -> None:
     results = {}
     for temperature in args.temperatures:
         for batch in args.batches:
-            params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=None)
+            params = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens[i % len(args.max_tokens)],
+                                     seed=None) for i in range(len(prompts))]  # fmt: skip
             drafts0, accepted0 = spec_counters(llm)
             outputs, start = [], time.perf_counter()
             for i in range(0, len(prompts), batch):
-                outputs += llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+                outputs += llm.generate(prompts[i : i + batch], params[i : i + batch], use_tqdm=False)
             seconds = time.perf_counter() - start
             drafts, accepted = spec_counters(llm)
             tokens = [list(o.outputs[0].token_ids) for o in outputs]
@@ -125,7 +126,7 @@ def run(args) -> None:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             command = [sys.executable, __file__, "engine", "--method", method, "--out", out.name, "--prompts", args.prompts,
                        "--checkpoint", args.checkpoint, "--target", args.target, "--dtype", args.dtype, "--k", str(args.k),
-                       "--max-tokens", str(args.max_tokens), "--memory", str(args.memory),
+                       "--max-tokens", *map(str, args.max_tokens), "--memory", str(args.memory),
                        "--max-model-len", str(args.max_model_len), "--draft-sampling", args.draft_sampling,
                        "--speculate-up-to", str(args.speculate_up_to),
                        "--batches", *map(str, args.batches),
@@ -136,10 +137,10 @@ def run(args) -> None:
                 failed.append(method)
                 continue
             raw[method] = json.loads(Path(out.name).read_text())
-    print(f"\nvLLM {vllm.__version__}, {args.dtype}, K={args.k}, {args.max_tokens} new tokens, "
+    print(f"\nvLLM {vllm.__version__}, {args.dtype}, K={args.k}, {'/'.join(map(str, args.max_tokens))} new tokens, "
           f"{len(json.loads(Path(args.prompts).read_text())['prompt_token_ids'])} prompts, "
           f"{'eager' if args.eager else 'compiled (vLLM default)'}")  # fmt: skip
-    print(f"{'setting':18s} {'method':10s} {'tok/s':>7s} {'vs plain':>8s} {'tau':>5s} {'identical':>9s}")
+    print(f"{'setting':18s} {'method':10s} {'tok/s':>7s} {'vs plain':>8s} {'tau':>5s} {'drafts':>6s} {'identical':>9s}")
     methods = [m for m in args.methods if m in raw]
     for method in methods:
         if "drafter" in raw[method]:
@@ -152,11 +153,14 @@ def run(args) -> None:
                 same = sum(a == b for a, b in zip(r["outputs"], plain["outputs"]))
             row = {"setting": setting, "method": method, "temperature": r["temperature"], "batch": r["batch"],
                    "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / plain["tokens_per_s"],
-                   "tau": r["tau"], "identical": same, "prompts": len(r["outputs"]), "new_tokens": r["new_tokens"]}  # fmt: skip
+                   "tau": r["tau"], "drafts": r["drafts"], "identical": same, "prompts": len(r["outputs"]),
+                   "new_tokens": r["new_tokens"]}  # fmt: skip
             rows.append(row)
             tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
             ident = "" if same is None else f"{same}/{len(r['outputs'])}"
-            print(f"{setting:18s} {method:10s} {r['tokens_per_s']:7.1f} {row['speedup']:7.2f}x {tau:>5s} {ident:>9s}")
+            drafts = "" if method == "plain" else r["drafts"]
+            print(f"{setting:18s} {method:10s} {r['tokens_per_s']:7.1f} {row['speedup']:7.2f}x {tau:>5s} {drafts:>6} "
+                  f"{ident:>9s}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         settings = {k: getattr(args, k) for k in ("k", "dtype", "max_tokens", "batches", "temperatures", "eager",
@@ -184,7 +188,8 @@ def main() -> None:
         p.add_argument("--target", default=str(TARGET))
         p.add_argument("--dtype", default="float32")
         p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-        p.add_argument("--max-tokens", type=int, default=128)
+        p.add_argument("--max-tokens", type=int, nargs="+", default=[128],
+                       help="new tokens per request; several values are cycled over the prompts (staggered finishes)")
         p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
         p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
         p.add_argument("--memory", type=float, default=0.3, help="gpu_memory_utilization: on CPU, the share of RAM for KV")

@@ -10,6 +10,13 @@ them, so sampled output is not the target's distribution. (The cast also truncat
 `expand_kernel_impl` does the same expansion in torch, for any dtype. It is put in place of the broken function
 before vLLM's CPU platform registers its kernel overrides (plugins load first in every vLLM process), so vLLM's own
 override machinery installs it; nothing else changes.
+
+A second CPU-build fault: every load of vLLM's compile cache fails ("'function' object has no attribute
+'finalize_loading'"; seen for plain engines as for speculative ones), and vLLM then compiles again. For an engine
+with a dFlash drafter that second compile died here with a stack overflow while collecting garbage, so a second
+`make serve` (or benchmark) on the same machine crashed where the first one, with an empty cache, worked. On CPU
+the plugin therefore sets `VLLM_DISABLE_COMPILE_CACHE=1` unless you set it yourself: nothing is lost, since the
+cache never loaded.
 """
 
 import os
@@ -26,13 +33,15 @@ def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_t
 
 
 def install_cpu_fixes() -> None:
-    """Replace the broken CPU expand override (vLLM 0.32's CPU build only; a no-op elsewhere).
-    XPRESS_VLLM_KEEP_CPU_EXPAND=1 keeps vLLM's own, to reproduce the bug (the tests check their χ² test sees it)."""
-    if os.environ.get("XPRESS_VLLM_KEEP_CPU_EXPAND") == "1":
-        return
+    """Replace the broken CPU expand override and keep vLLM's compile cache off (vLLM 0.32's CPU build only; a
+    no-op elsewhere). XPRESS_VLLM_KEEP_CPU_EXPAND=1 keeps vLLM's own expand, to reproduce the bug (the tests check
+    their χ² test sees it)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
+        return
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")  # inherited by the engine's processes
+    if os.environ.get("XPRESS_VLLM_KEEP_CPU_EXPAND") == "1":
         return
     from vllm.utils import cpu_triton_utils
 
