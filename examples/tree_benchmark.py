@@ -1,15 +1,18 @@
 """Draft trees against linear blocks on the real model, side by side in one run.
 
-SmolLM2-135M-Instruct with the bundled checkpoint, greedy, one prompt at a time: plain `target.generate`, then
+SmolLM2-135M-Instruct with the bundled checkpoint, one prompt at a time: plain `target.generate`, then
 `spec_generate` with linear blocks (the machine-chosen cap, and whole blocks) and with draft trees of N nodes built
 from the head's path-conditioned distributions ("head tree") and from the drafter's marginals ("marginal tree",
-`jacobi_max_iters=0`). Every method decodes every prompt in turn, so all see the same machine state. Prints τ (tokens
-per verification), tokens/s and the speed ratio against plain decoding measured in this run, and whether every
-output is the target's own greedy output.
+`jacobi_max_iters=0`); `--nodes ... auto` adds `tree_nodes="auto"`. Every method decodes every prompt in turn, so
+all see the same machine state. Prints τ (tokens per verification), tokens/s and the speed ratio against plain
+decoding measured in this run, and, greedy, whether every output is the target's own greedy output. With
+`--temperature T` every method samples (plain `generate` too), each call seeded alike; outputs then differ by method
+(lossless is a distribution property, tested by the χ² tests), so no identity column.
 
     python examples/tree_benchmark.py --held-out 10               # held-out training prompts (choose settings here)
     python examples/tree_benchmark.py --held-out 10 --compile     # compiled loops, and compiled plain decoding
-    python examples/tree_benchmark.py --eval 20 --max-new-tokens 256   # HumanEval + MT-Bench (report only)
+    python examples/tree_benchmark.py --eval 20 --max-new-tokens 256 --nodes 4 8 16 auto   # HumanEval + MT-Bench
+    python examples/tree_benchmark.py --eval 20 --max-new-tokens 256 --nodes 4 8 16 auto --temperature 1
 """
 
 import argparse
@@ -24,13 +27,17 @@ from modeling_xpress.bench.benchmark import chat_prompt_ids, compiled_plain_kwar
 from modeling_xpress.bench.demo import BUNDLED_CHECKPOINT
 
 
-def methods(xpress, nodes: list[int]) -> dict:
+def methods(xpress, nodes: list) -> dict:
     """name → (spec_generate kwargs, config overrides)."""
     out = {"linear, chosen cap": ({}, {}), "linear, whole block": ({"num_assistant_tokens": 15}, {})}
     for n in nodes:
         out[f"marginal tree N={n}"] = ({"tree_nodes": n}, {"jacobi_max_iters": 0})
         out[f"head tree N={n}"] = ({"tree_nodes": n}, {})
     return out
+
+
+def node_budget(value: str):
+    return value if value == "auto" else int(value)
 
 
 def prompt_texts(args) -> list[str]:
@@ -52,7 +59,8 @@ def main() -> None:
     parser.add_argument("--kinds", choices=("default", "task", "mined"), default="task")
     parser.add_argument("--eval", type=int, default=None, metavar="N", help="N HumanEval + N MT-Bench prompts")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--nodes", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--nodes", type=node_budget, nargs="+", default=[4, 8, 16], help="node budgets, or auto")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: every method samples")
     parser.add_argument("--compile", action="store_true",
                         help="spec_generate(compile=True) for every xPress method, and compiled plain generate too "
                         "(static cache, transformers' torch.compile); everything is compiled before timing")
@@ -69,18 +77,22 @@ def main() -> None:
     totals = {name: {"seconds": 0.0, "tokens": 0, "steps": 0, "identical": 0} for name in [*plains, *table]}
     cache_len = 256 * -(-(max(ids.shape[1] for ids in prompts) + args.max_new_tokens + 64 + 32) // 256)
     compiled = {"compile": True, "max_cache_len": cache_len} if args.compile else {}
+    greedy = args.temperature == 0
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": args.temperature, "top_k": 0,
+                                                    "top_p": 1.0}  # fmt: skip
 
     def run(name, ids):
         if name in plains:
             extra = compiled_plain_kwargs(cache_len) if name == "plain, compiled" else {}
             start = time.perf_counter()
             out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                                  do_sample=False, **extra)  # fmt: skip
+                                  **sampling, **extra)  # fmt: skip
             return out, time.perf_counter() - start, None
         kwargs, overrides = table[name]
         with config_setting(xpress, **overrides):
             start = time.perf_counter()
-            out = xpress.spec_generate(target, ids, max_new_tokens=args.max_new_tokens, **kwargs, **compiled)
+            out = xpress.spec_generate(target, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                       **kwargs, **compiled)  # fmt: skip
             return out.sequences, time.perf_counter() - start, out.stats
 
     for name in totals:  # warm up every path (and choose the linear cap) before timing
@@ -88,6 +100,7 @@ def main() -> None:
     for i, ids in enumerate(prompts):
         reference = None
         for name in totals:
+            torch.manual_seed(i)
             sequences, seconds, stats = run(name, ids)
             reference = sequences if reference is None else reference
             entry = totals[name]
@@ -100,14 +113,16 @@ def main() -> None:
 
     plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
     loops = "compiled loops" if args.compile else "eager loops"
-    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, fp32 greedy, {loops}, "
+    decoding = "greedy" if greedy else f"T={args.temperature:g}"
+    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, fp32 {decoding}, {loops}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     print(f"{'method':<24} {'tau':>5} {'tok/s':>7} {'vs plain':>9} identical")
     for name, entry in totals.items():
         rate = entry["tokens"] / entry["seconds"]
         tau = entry["accepted"] / entry["steps"] if entry["steps"] else 1.0
-        entry.update(tau=tau, tokens_per_s=rate, vs_plain=rate / plain_rate)
-        print(f"{name:<24} {tau:5.2f} {rate:7.1f} {rate / plain_rate:8.2f}x {entry['identical']}/{len(prompts)}")
+        entry.update(tau=tau, tokens_per_s=rate, vs_plain=rate / plain_rate, identical=entry["identical"] if greedy else None)
+        same = f"{entry['identical']}/{len(prompts)}" if greedy else "n/a"
+        print(f"{name:<24} {tau:5.2f} {rate:7.1f} {rate / plain_rate:8.2f}x {same}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "totals": totals}, f, indent=1)
