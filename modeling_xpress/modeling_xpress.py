@@ -23,8 +23,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from .configuration_xpress import XPressConfig
 from .decoding import spec_generate
 from .generation import install_generation_hook
-from .heads import HEADS, CorrectionHead, MarkovHead, NoHead, Readout, XPressRefiner
-from .refinement import RefinementResult, plain_decode
+from .heads import HEADS, CorrectionHead, MarkovHead, NoHead, Readout, XPressRefiner, decode_block
+from .refinement import RefinementResult, scatter_vocabulary
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -321,10 +321,7 @@ class XPressModel(XPressPreTrainedModel):
     def to_vocabulary(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """(..., V_d) over the draft vocabulary → (..., V) over the target's, `fill` elsewhere (identity without a
         draft vocabulary)."""
-        if self.draft_token_ids is None:
-            return values
-        out = values.new_full((*values.shape[:-1], self.config.vocab_size), fill)
-        return out.index_copy_(values.dim() - 1, self.draft_token_ids, values)
+        return scatter_vocabulary(values, self.draft_token_ids, self.config.vocab_size, fill)
 
     @torch.no_grad()
     def set_draft_vocabulary(self, token_ids) -> None:
@@ -367,21 +364,17 @@ class XPressModel(XPressPreTrainedModel):
         blocking) needs the whole vocabulary. Tokens are target ids and logits (b, m, V) either way.
         """
         vocabulary, draft_space = self.decoding_vocabulary(base_logits)
-        max_iters = self.config.jacobi_max_iters if max_iters is None else max_iters
-        if max_iters == 0:  # every head switched off the same way: the drafter's own marginals (refiner="none")
-            result = plain_decode(base_logits, logits_transform=logits_transform, noise=noise,
-                                  token_ids=vocabulary["token_ids"])  # fmt: skip
-        else:
-            result = self.refiner.decode(
-                hidden,
-                base_logits,
-                anchor_ids,
-                logits_transform=logits_transform,
-                noise=noise,
-                max_iters=max_iters,
-                early_exit=self.config.jacobi_early_exit if early_exit is None else early_exit,
-                **vocabulary,
-            )
+        result = decode_block(
+            self.refiner,
+            hidden,
+            base_logits,
+            anchor_ids,
+            logits_transform=logits_transform,
+            noise=noise,
+            max_iters=self.config.jacobi_max_iters if max_iters is None else max_iters,
+            early_exit=self.config.jacobi_early_exit if early_exit is None else early_exit,
+            **vocabulary,
+        )
         if draft_space:
             result.logits = self.to_vocabulary(result.logits, fill=float("-inf"))
         return result

@@ -25,9 +25,11 @@ from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFla
 from modeling_xpress.configuration_xpress import XPressConfig
 from modeling_xpress.heads import HEADS
 from modeling_xpress.modeling_xpress import check_draft_token_ids
+from modeling_xpress.refinement import scatter_vocabulary
 
 from . import check_vllm_version
 from .refine import refine_proposals
+
 
 class NoQKNorm(nn.Module):
     """Stands where vLLM's dFlash attention expects a per-head RMSNorm, for a drafter trained without one. It keeps
@@ -150,11 +152,8 @@ class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The drafter's own logits over the target vocabulary (-inf outside the draft vocabulary), before the head."""
-        logits = self.draft_logits(hidden_states)
-        if self.draft_token_ids is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.xpress_config.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.draft_token_ids, logits)
+        return scatter_vocabulary(self.draft_logits(hidden_states), self.draft_token_ids, self.xpress_config.vocab_size,
+                                  fill=float("-inf"))  # fmt: skip
 
     def draft(self, hidden: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor | None):
         """Each request's proposal from its K drafter states (b, K, H) and anchor (b,): `refine.refine_proposals`."""

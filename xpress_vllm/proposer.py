@@ -57,7 +57,8 @@ class XPressDFlashProposer(DFlashProposer):
         # The first pass wrote each request's queries as [anchor, mask × K], request after request.
         anchors = self.input_ids[: b * (k + 1)].view(b, k + 1)[:, 0].long()
         sampled = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
-        tokens, probs = model.draft(hidden_states.view(b, k, -1), anchors, sampling_metadata.temperature if sampled else None)
+        temperature = sampling_metadata.temperature if sampled else None
+        tokens, probs = model.draft(hidden_states.view(b, k, -1), anchors, temperature)
         return tokens.reshape(-1), None if probs is None else probs.view(b * k, -1)
 
 

@@ -5,7 +5,8 @@ only (no vLLM), so the tests check it against `XPressModel.refine` in the main v
 import torch
 
 from modeling_xpress.configuration_xpress import XPressConfig
-from modeling_xpress.refinement import RefinementResult, gumbel_noise, plain_decode
+from modeling_xpress.heads import decode_block
+from modeling_xpress.refinement import gumbel_noise, scatter_vocabulary
 
 # vLLM's threshold below which a request's temperature means greedy (vllm/v1/sample/sampler.py, _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -41,21 +42,13 @@ def refine_proposals(head, config: XPressConfig, hidden: torch.Tensor, base: tor
         noise = noise.masked_fill(greedy.view(b, 1, 1), 0.0)
     else:
         noise = None
-    base = base.float()
-    if config.jacobi_max_iters == 0 or not head.corrects:  # the head switched off: the drafter's own marginals
-        result: RefinementResult = plain_decode(base, logits_transform=transform, noise=noise, token_ids=token_ids)
-    else:
-        weight = next(head.parameters())
-        result = head.decode(
-            hidden.to(weight.dtype), base, anchors, logits_transform=transform, noise=noise,
-            max_iters=config.jacobi_max_iters, early_exit=config.jacobi_early_exit, token_ids=token_ids,
-        )  # fmt: skip
+    head_dtype = next((p.dtype for p in head.parameters()), hidden.dtype)
+    result = decode_block(head, hidden.to(head_dtype), base.float(), anchors, logits_transform=transform, noise=noise,
+                          max_iters=config.jacobi_max_iters, early_exit=config.jacobi_early_exit,
+                          token_ids=token_ids)  # fmt: skip
     if temperature is None:
         return result.tokens, None
-    probs = result.logits.softmax(dim=-1)
-    if token_ids is not None:
-        probs = probs.new_zeros(*probs.shape[:-1], config.vocab_size).index_copy_(2, token_ids, probs)
-    return result.tokens, probs
+    return result.tokens, scatter_vocabulary(result.logits.softmax(dim=-1), token_ids, config.vocab_size)
 
 
 __all__ = ["SAMPLING_EPS", "refine_proposals"]

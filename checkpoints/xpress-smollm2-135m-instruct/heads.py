@@ -35,7 +35,7 @@ class CorrectionHead(nn.Module):
 
     `corrects` is False only for `NoHead` (plain dFlash): there is nothing to train and δ ≡ 0. `iterative` says whether
     `max_iters` ≥ 1 / `early_exit` change the decode (the Jacobi K sweep applies); `max_iters=0` switches any head
-    off in `XPressModel.refine` (the drafter's own marginals). `decode_name` names the decode in benchmarks.
+    off in `decode_block` (the drafter's own marginals). `decode_name` names the decode in benchmarks.
     """
 
     corrects: bool = True
@@ -256,6 +256,17 @@ class NoHead(CorrectionHead):
     def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
                max_iters=0, early_exit=True, token_ids=None):  # fmt: skip
         return plain_decode(base_logits, logits_transform=logits_transform, noise=noise, token_ids=token_ids)
+
+
+def decode_block(head: CorrectionHead, hidden, base_logits, anchor_ids, *, max_iters: int, early_exit: bool = True,
+                 to_vocabulary=None, logits_transform=None, noise=None, token_ids=None) -> RefinementResult:  # fmt: skip
+    """One block through `head`'s decode, or with `max_iters=0` through none (every head switched off the same way:
+    the drafter's own marginals). The dispatch `XPressModel.refine` and the vLLM plugin share."""
+    if max_iters == 0:
+        return plain_decode(base_logits, logits_transform=logits_transform, noise=noise, token_ids=token_ids)
+    return head.decode(hidden, base_logits, anchor_ids, to_vocabulary=to_vocabulary,
+                       logits_transform=logits_transform, noise=noise, max_iters=max_iters, early_exit=early_exit,
+                       token_ids=token_ids)  # fmt: skip
 
 
 # config.refiner → head class. Adding a head is one class here and its name in configuration_xpress.REFINER_TYPES.

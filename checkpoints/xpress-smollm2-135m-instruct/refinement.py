@@ -62,6 +62,16 @@ def target_ids(tokens: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Te
     return tokens if token_ids is None else token_ids[tokens]
 
 
+def scatter_vocabulary(values: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int,
+                       fill: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """(..., V_d) over the draft vocabulary `token_ids` → (..., V) over the target's, `fill` elsewhere (as they are
+    when `token_ids` is None)."""
+    if token_ids is None:
+        return values
+    out = values.new_full((*values.shape[:-1], vocab_size), fill)
+    return out.index_copy_(values.dim() - 1, token_ids, values)
+
+
 @torch.no_grad()
 def jacobi_refine(
     refiner,
@@ -176,5 +186,6 @@ __all__ = [
     "sequential_refine",
     "plain_decode",
     "previous_tokens",
+    "scatter_vocabulary",
     "target_ids",
 ]
