@@ -20,7 +20,6 @@ BUNDLED_WEIGHTS = "checkpoints/xpress-smollm2-135m-instruct/model.safetensors"
 LEGACY_SNAPSHOTS = frozenset(
     f"checkpoints/training/{folder}/{stage}/model.safetensors"
     for folder, stages in {
-        "smollm2-v8": ("drafter", "markov", "xpress"),
         "smollm2-v9": ("drafter", "markov", "xpress"),
     }.items()
     for stage in stages
