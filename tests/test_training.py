@@ -876,12 +876,15 @@ def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_pa
     assert [(flag(c, "--max_train_samples"), flag(c, "--train_rows_seed")) for c in heads] == [("4000", "3")] * 2
 
     commands.clear()  # --signal-cache '': the same stage against the live target (how v8 ran on an AVX2 CPU)
-    argv += ["--signal-cache", "", "--stages", "drafter"]
+    snapshots = tmp_path / "snapshots"  # a run started in an earlier session, written there with --write-snapshots
+    (snapshots / "drafter").mkdir(parents=True)
+    (snapshots / "drafter" / "trainer_state.json").write_text("{}")
+    argv += ["--signal-cache", "", "--stages", "drafter", "--snapshots", str(snapshots)]
     monkeypatch.setattr(sys, "argv", argv)
     pipeline.main()
     assert len(commands) == 1 and "--signal_cache" not in commands[0]
-    # it resumes the committed v8 snapshot, whose log already holds the step-0 evaluation: not run again
-    assert flag(commands[0], "--resume_from_checkpoint") == "checkpoints/training/smollm2-v8/drafter"
+    # it resumes the snapshot, whose log already holds the step-0 evaluation: not run again
+    assert flag(commands[0], "--resume_from_checkpoint") == str(snapshots / "drafter")
     assert "--eval_on_start" not in commands[0]
 
     commands.clear()  # v8-wide: the v7 drafter continued, reading two more target layers
