@@ -140,6 +140,35 @@ def test_errors_for_what_the_plugin_cannot_honour(vllm_python, prompts_file, tmp
     assert "built for a different target model" in done.stdout, done.stdout[-3000:]
 
 
+def test_unsupported_vllm_and_tensor_parallelism_fail_with_what_to_do(vllm_python):
+    """A vLLM release outside SUPPORTED_VLLM, and tensor parallelism (untested), stop the drafter's construction with
+    the fix in the message. Driven in .venv-vllm without an engine: vLLM's version is patched, and so is the
+    tensor-parallel world size the drafter class reads."""
+    script = """
+import vllm, xpress_vllm, xpress_vllm.model as model
+from xpress_vllm.model import XPressDFlashForCausalLM
+assert xpress_vllm.vllm_version_supported(vllm.__version__) and not xpress_vllm.vllm_version_supported("0.33.0")
+supported = vllm.__version__
+vllm.__version__ = "0.33.0"
+try:
+    XPressDFlashForCausalLM(vllm_config=None)
+except RuntimeError as error:
+    print("VERSION:", error)
+vllm.__version__ = supported
+model.get_tensor_model_parallel_world_size = lambda: 2
+try:
+    XPressDFlashForCausalLM(vllm_config=None)
+except NotImplementedError as error:
+    print("TP:", error)
+"""
+    done = subprocess.run([str(vllm_python), "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "VERSION: xpress_vllm supports vLLM 0.32.x, but vLLM 0.33.0 is installed. Install a supported" in done.stdout
+    assert "TP: xpress_vllm is tested with tensor_parallel_size=1 only" in done.stdout, done.stdout[-3000:]
+    assert "Serve with --tensor-parallel-size 1" in done.stdout
+
+
 def test_too_many_drafts_for_the_block(vllm_python, prompts_file, target_dir, tmp_path):
     done = run_engine(vllm_python, "xpress", prompts_file, tmp_path / "x.json", target_dir, "--k", "16",
                       "--batches", "1", "--temperatures", "0", check=False)  # fmt: skip
