@@ -13,11 +13,18 @@ decoding measured in this run, and, greedy, whether every output is the target's
     python examples/tree_benchmark.py --held-out 10 --compile     # compiled loops, and compiled plain decoding
     python examples/tree_benchmark.py --eval 20 --max-new-tokens 256 --nodes 4 8 16 auto   # HumanEval + MT-Bench
     python examples/tree_benchmark.py --eval 20 --max-new-tokens 256 --nodes 4 8 16 auto --temperature 1
+
+A long run can be split: `--record F.jsonl` appends each prompt's figures (every method, side by side, with the
+machine they ran on) when that prompt is done, a later run with the same `--record` and settings skips the prompts
+already there, and `--stop-after MINUTES` ends a run after the prompt that crosses that time. The table is printed
+from every recorded prompt, with how many of the prompts it covers.
 """
 
 import argparse
 import json
+import platform
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModel
@@ -65,9 +72,15 @@ def main() -> None:
                         help="spec_generate(compile=True) for every xPress method, and compiled plain generate too "
                         "(static cache, transformers' torch.compile); everything is compiled before timing")
     parser.add_argument("--json", default=None, help="also write the per-method totals here")
+    parser.add_argument("--record", default=None, help="per-prompt JSON lines: appended as prompts finish; prompts "
+                        "already recorded with the same settings are skipped (resume a long run)")
+    parser.add_argument("--stop-after", type=float, default=None, metavar="MINUTES",
+                        help="stop after the prompt that crosses this many minutes (with --record, resume later)")
     args = parser.parse_args()
     if not args.held_out and not args.eval:
         parser.error("pass --held-out N or --eval N")
+    if args.stop_after is not None and not args.record:
+        parser.error("--stop-after needs --record, to resume from")
 
     target, tokenizer = load_smollm2(dtype=torch.float32)
     xpress = AutoModel.from_pretrained(str(BUNDLED_CHECKPOINT), trust_remote_code=True, dtype=torch.float32).eval()
@@ -95,37 +108,71 @@ def main() -> None:
                                        **kwargs, **compiled)  # fmt: skip
             return out.sequences, time.perf_counter() - start, out.stats
 
-    for name in totals:  # warm up every path (and choose the linear cap) before timing
-        run(name, prompts[0][:, :8])
-    for i, ids in enumerate(prompts):
+    settings = {k: getattr(args, k) for k in ("held_out", "kinds", "eval", "max_new_tokens", "nodes", "temperature",
+                                              "compile")}  # fmt: skip
+    recorded = {}
+    if args.record and Path(args.record).exists():
+        for line in Path(args.record).read_text().splitlines():
+            row = json.loads(line)
+            if row["settings"] == settings and set(row["methods"]) == set(totals):
+                recorded[row["prompt"]] = row
+    todo = [i for i in range(len(prompts)) if i not in recorded]
+    if todo:
+        for name in totals:  # warm up every path (and choose the linear cap) before timing
+            run(name, prompts[0][:, :8])
+    machine = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    start = time.perf_counter()
+    for i in todo:
+        ids, row = prompts[i], {}
         reference = None
         for name in totals:
             torch.manual_seed(i)
             sequences, seconds, stats = run(name, ids)
             reference = sequences if reference is None else reference
-            entry = totals[name]
-            entry["seconds"] += seconds
-            entry["tokens"] += sequences.shape[1] - ids.shape[1]
-            entry["steps"] += len(stats.acceptance_lengths) if stats else 0
-            entry["accepted"] = entry.get("accepted", 0) + (sum(stats.acceptance_lengths) if stats else 0)
-            entry["identical"] += int(torch.equal(sequences, reference))
+            row[name] = {"seconds": seconds, "tokens": sequences.shape[1] - ids.shape[1],
+                         "steps": len(stats.acceptance_lengths) if stats else 0,
+                         "accepted": sum(stats.acceptance_lengths) if stats else 0,
+                         "identical": int(torch.equal(sequences, reference))}  # fmt: skip
+        recorded[i] = {"prompt": i, "settings": settings, "machine": machine, "methods": row}
+        if args.record:
+            with open(args.record, "a") as f:
+                f.write(json.dumps(recorded[i]) + "\n")
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+        if args.stop_after is not None and time.perf_counter() - start > 60 * args.stop_after:
+            print(f"stopped after {args.stop_after:g} minutes; run again with the same --record to go on")
+            break
+    for row in recorded.values():
+        for name, figures in row["methods"].items():
+            for key, value in figures.items():
+                totals[name][key] = totals[name].get(key, 0) + value
 
     plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
     loops = "compiled loops" if args.compile else "eager loops"
     decoding = "greedy" if greedy else f"T={args.temperature:g}"
-    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} new tokens, fp32 {decoding}, {loops}, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
+    machines = sorted({json.dumps(row["machine"], sort_keys=True) for row in recorded.values()})
+    print(f"\n{len(recorded)}/{len(prompts)} prompts x {args.max_new_tokens} new tokens, fp32 {decoding}, {loops}, "
+          f"on {'; '.join(machines)}")  # fmt: skip
     print(f"{'method':<24} {'tau':>5} {'tok/s':>7} {'vs plain':>9} identical")
     for name, entry in totals.items():
         rate = entry["tokens"] / entry["seconds"]
         tau = entry["accepted"] / entry["steps"] if entry["steps"] else 1.0
         entry.update(tau=tau, tokens_per_s=rate, vs_plain=rate / plain_rate, identical=entry["identical"] if greedy else None)
-        same = f"{entry['identical']}/{len(prompts)}" if greedy else "n/a"
+        same = f"{entry['identical']}/{len(recorded)}" if greedy else "n/a"
         print(f"{name:<24} {tau:5.2f} {rate:7.1f} {rate / plain_rate:8.2f}x {same}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "totals": totals}, f, indent=1)
+            json.dump({"args": vars(args), "prompts_done": len(recorded), "prompts": len(prompts),
+                       "machines": [json.loads(m) for m in machines], "totals": totals}, f, indent=1)  # fmt: skip
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":
