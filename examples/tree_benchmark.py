@@ -22,7 +22,6 @@ from every recorded prompt, with how many of the prompts it covers.
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import torch
 from transformers import AutoModel
 
 from modeling_xpress.bench.assets import load_smollm2
-from modeling_xpress.bench.benchmark import chat_prompt_ids, compiled_plain_kwargs, config_setting
+from modeling_xpress.bench.benchmark import chat_prompt_ids, compiled_plain_kwargs, config_setting, environment_info
 from modeling_xpress.bench.demo import BUNDLED_CHECKPOINT
 
 
@@ -87,7 +86,8 @@ def main() -> None:
     prompts = chat_prompt_ids(tokenizer, prompt_texts(args))
     table = methods(xpress, args.nodes)
     plains = ["plain", *(["plain, compiled"] if args.compile else [])]
-    totals = {name: {"seconds": 0.0, "tokens": 0, "steps": 0, "identical": 0} for name in [*plains, *table]}
+    totals = {name: {"seconds": 0.0, "tokens": 0, "steps": 0, "accepted": 0, "identical": 0}
+              for name in [*plains, *table]}
     cache_len = 256 * -(-(max(ids.shape[1] for ids in prompts) + args.max_new_tokens + 64 + 32) // 256)
     compiled = {"compile": True, "max_cache_len": cache_len} if args.compile else {}
     greedy = args.temperature == 0
@@ -120,7 +120,8 @@ def main() -> None:
     if todo:
         for name in totals:  # warm up every path (and choose the linear cap) before timing
             run(name, prompts[0][:, :8])
-    machine = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    environment = environment_info(target)
+    machine = {"cpu": environment["cpu"], "threads": environment["torch_threads"], "torch": environment["torch"]}
     start = time.perf_counter()
     for i in todo:
         ids, row = prompts[i], {}
@@ -144,7 +145,7 @@ def main() -> None:
     for row in recorded.values():
         for name, figures in row["methods"].items():
             for key, value in figures.items():
-                totals[name][key] = totals[name].get(key, 0) + value
+                totals[name][key] += value
 
     plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
     loops = "compiled loops" if args.compile else "eager loops"
@@ -163,16 +164,6 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "prompts_done": len(recorded), "prompts": len(prompts),
                        "machines": [json.loads(m) for m in machines], "totals": totals}, f, indent=1)  # fmt: skip
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":
