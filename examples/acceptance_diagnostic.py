@@ -14,7 +14,7 @@ prompts never trained on, with its features and top-k distributions):
 Greedy decoding of the target reproduces the held-out responses (they are its greedy outputs), so the chained greedy
 figure is what `spec_generate` would measure on those rows, up to bf16 near-ties and the draft-length cut.
 
-    python examples/acceptance_diagnostic.py --checkpoint checkpoints/training/smollm2-v3/drafter \
+    python examples/acceptance_diagnostic.py --checkpoint runs/v3/drafter \
         --cache cache/signals-smollm2-v3-held-out --out benchmarks/results/acceptance-diagnostic-v3-drafter.json
 """
 

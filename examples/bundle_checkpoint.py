@@ -1,9 +1,9 @@
 """Bundle a trained xPress folder as the repository's Hub-style checkpoint, with a model card made from evaluation.
 
-    python examples/bundle_checkpoint.py --checkpoint checkpoints/training/smollm2-v3-heads/xpress \\
+    python examples/bundle_checkpoint.py --checkpoint runs/v3-heads/xpress \\
         --results benchmarks/results/smollm2-v3-eval-T0.json benchmarks/results/smollm2-v3-eval-T1.json \\
-        --training-summary checkpoints/training/smollm2-v3/training_summary.json:drafter \\
-                           checkpoints/training/smollm2-v3-heads/training_summary.json:markov,xpress \\
+        --training-summary runs/v3/training_summary.json:drafter \\
+                           runs/v3-heads/training_summary.json:markov,xpress \\
         --out checkpoints/xpress-smollm2-135m-instruct
 
 `--acceptance` takes held-out decoding runs of the same checkpoint (`examples/choose_draft_length.py`, whole blocks:

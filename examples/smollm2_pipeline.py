@@ -50,7 +50,7 @@ Recipes (each flag can still be set by hand after `--recipe`):
   stubs to complete or code to explain, documentation passages to summarize or explain) beside v7's data; task folders
   first, so the 100 held-out rows are those that selected v6 and v7. The first of the README's next levers, since
   templates over small vocabularies are what the evaluation prompts are far from. Drafter run to its 2,000 steps
-  (`checkpoints/training/smollm2-v8`: held-out decoded τ +5% on mined prompts, +2% on task rows, drafter alone).
+  (v8's snapshots: held-out decoded τ +5% on mined prompts, +2% on task rows, drafter alone).
   `--precision float32` on a CPU without native bf16. There, a signal cache of all 8,600 rows costs about as
   much target compute as the 2,000 drafter steps read (396 fp32 tokens/s on a 2-core AVX2 EPYC: ~100 minutes before
   the first step), so `--signal-cache '' --stages drafter` trains the drafter against the live target (~7 s per step
@@ -65,7 +65,7 @@ Recipes (each flag can still be set by hand after `--recipe`):
   --stages drafter`, 4-8 s a step on CPUs without native bf16) over three sessions, resumed from its snapshots, to
   its 2,000 steps; the heads as v8's (`--drafter-from checkpoints/training/smollm2-v9/drafter --stages markov xpress
   --head-train-rows 4000 --signal-cache cache/signals-smollm2-v9-heads4000`, bf16 on a CPU with AMX: 10 min of cache,
-  ~5 min per head). The bundled checkpoint (`checkpoints/training/smollm2-v9`: held-out decoded τ with the xPress
+  ~5 min per head). The bundled checkpoint (v9's xPress head: held-out decoded τ with the xPress
   head +5% on mined prompts, level on task rows at 3 drafts; the evaluation level with v8).
 * `v8-wide` — the context lever alone: the v7 drafter (`drafter-best`) continued on v7's own data and schedule, now
   reading target layers 1, 10, 18 and 27 (dFlash's rule for a 4-layer drafter of a 30-layer target) instead of 1 and

@@ -1,7 +1,7 @@
-"""What the git checkout may hold: no pickled files, and no large binaries except the bundled checkpoint's weights.
+"""What the git checkout may hold: no pickled files, no large binaries, and no checkpoint but the bundled one.
 
-The training snapshots that used to live under `checkpoints/training/` are recorded as text under `docs/runs/`. The
-weights still tracked there are listed in `LEGACY_SNAPSHOTS` until they are removed."""
+The training snapshots that used to live under `checkpoints/training/` are recorded as text under `docs/runs/` (their
+weights are in git history)."""
 
 import subprocess
 from pathlib import Path
@@ -11,19 +11,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
 MAX_BYTES = 5_000_000  # 5 MB
-BUNDLED_WEIGHTS = "checkpoints/xpress-smollm2-135m-instruct/model.safetensors"
-
-# Training-snapshot weights (> 5 MB each) still tracked under checkpoints/training. They are scheduled for removal:
-# one submission may carry at most ~256 MiB of diffs and a deleted binary counts with its full size, so they go in
-# later submissions, ~150 MB at a time, whole folders oldest first (their text record is already in docs/runs/).
-# This list may only shrink: remove a path from it when you `git rm` the file, and never add one.
-LEGACY_SNAPSHOTS = frozenset(
-    f"checkpoints/training/{folder}/{stage}/model.safetensors"
-    for folder, stages in {
-        "smollm2-v9": ("drafter", "markov", "xpress"),
-    }.items()
-    for stage in stages
-)
+BUNDLED = "checkpoints/xpress-smollm2-135m-instruct/"
+BUNDLED_WEIGHTS = BUNDLED + "model.safetensors"
 
 
 def tracked_files() -> list[str]:
@@ -54,7 +43,7 @@ def test_no_pickled_file_is_tracked():
 def test_no_large_file_is_tracked():
     too_large = {}
     for path in tracked_files():
-        if path == BUNDLED_WEIGHTS or path in LEGACY_SNAPSHOTS:
+        if path == BUNDLED_WEIGHTS:
             continue
         file = REPO / path
         if file.is_file() and not file.is_symlink() and file.stat().st_size > MAX_BYTES:
@@ -62,22 +51,18 @@ def test_no_large_file_is_tracked():
     assert not too_large, (
         f"tracked files over {MAX_BYTES:,} bytes: {dict(sorted(too_large.items()))}. Only the bundled checkpoint's "
         f"{BUNDLED_WEIGHTS} may be that large. Do not commit checkpoints, caches or results this big: keep them out "
-        "of the tree (runs/, cache/ are ignored) and record runs as text under docs/runs/. Do not add paths to "
-        "LEGACY_SNAPSHOTS."
+        "of the tree (runs/, cache/, checkpoints/training/ are ignored) and record runs as text under docs/runs/."
     )
 
 
-def test_legacy_snapshots_are_still_tracked():
-    tracked = set(tracked_files())
-    gone = sorted(LEGACY_SNAPSHOTS - tracked)
-    assert not gone, (
-        f"LEGACY_SNAPSHOTS lists files that are no longer tracked: {gone}. Remove them from LEGACY_SNAPSHOTS in "
-        "tests/test_repository.py (the list only shrinks), and check that their run is recorded under docs/runs/."
-    )
-    elsewhere = sorted(path for path in LEGACY_SNAPSHOTS if not path.startswith("checkpoints/training/"))
-    assert not elsewhere, (
-        f"LEGACY_SNAPSHOTS may only hold old training snapshots under checkpoints/training/, not {elsewhere}. Remove "
-        "them from the list and keep those files out of git."
+def test_only_the_bundled_checkpoint_is_under_checkpoints():
+    tracked = tracked_files()
+    assert BUNDLED_WEIGHTS in tracked, f"the bundled checkpoint's weights {BUNDLED_WEIGHTS} are not tracked"
+    others = sorted(path for path in tracked if path.startswith("checkpoints/") and not path.startswith(BUNDLED))
+    assert not others, (
+        f"checkpoints/ holds tracked files outside the bundled checkpoint {BUNDLED}: {others[:10]}"
+        f"{' ...' if len(others) > 10 else ''}. Training snapshots do not belong in git: `git rm` them and record the "
+        "run as text (recipe, config, curves JSON, one plot) under docs/runs/."
     )
 
 
