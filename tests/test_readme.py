@@ -29,10 +29,10 @@ def stop_after(method):
         raise SystemExit(0)
     return parsed
 
+from transformers import HfArgumentParser
+
 argparse.ArgumentParser.parse_args = stop_after(argparse.ArgumentParser.parse_args)
-if "transformers" in open(sys.argv[1]).read():
-    from transformers import HfArgumentParser
-    HfArgumentParser.parse_args_into_dataclasses = stop_after(HfArgumentParser.parse_args_into_dataclasses)
+HfArgumentParser.parse_args_into_dataclasses = stop_after(HfArgumentParser.parse_args_into_dataclasses)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 raise SystemExit(3)
