@@ -17,11 +17,16 @@ prefix cache, so every engine prefills every prompt in full: the settings reuse 
 hit is worth more to vLLM plain than to a speculative engine, which gives up the last matched block (128 tokens on
 CPU) to recompute the hidden states its drafter reads. Without the reset, plain took 640 of the 16 held-out prompts'
 1,690 tokens from the cache of earlier settings and the speculative engines none.
+
+One run varies by up to ±20% here. `--repeats R` passes over every setting R times inside each engine, and
+`--rounds N` starts the engines N times, interleaved (plain, xpress, plain, xpress, ...); the table then gives the
+median tok/s of each method, the ratio of medians, and the range of the ratios of samples taken side by side.
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,81 +103,114 @@ def run_engine(args) -> None:
               enforce_eager=args.eager, seed=0)  # fmt: skip
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
     results = {}
-    for temperature in args.temperatures:
-        for batch in args.batches:
-            params = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens[i % len(args.max_tokens)],
-                                     seed=None) for i in range(len(prompts))]  # fmt: skip
-            llm.reset_prefix_cache()  # every setting prefills its prompts in full, as fresh requests would
-            drafts0, accepted0 = spec_counters(llm)
-            outputs, start = [], time.perf_counter()
-            for i in range(0, len(prompts), batch):
-                outputs += llm.generate(prompts[i : i + batch], params[i : i + batch], use_tqdm=False)
-            seconds = time.perf_counter() - start
-            drafts, accepted = spec_counters(llm)
-            tokens = [list(o.outputs[0].token_ids) for o in outputs]
-            setting = f"T={temperature:g} batch={batch}"
-            results[setting] = {
-                "temperature": temperature, "batch": batch, "seconds": seconds, "new_tokens": sum(map(len, tokens)),
-                "tokens_per_s": sum(map(len, tokens)) / seconds, "drafts": drafts - drafts0,
-                "tau": 1 + (accepted - accepted0) / (drafts - drafts0) if drafts > drafts0 else None,
-                "outputs": tokens,
-            }  # fmt: skip
-            print(f"{args.method:10s} {setting}: {results[setting]['tokens_per_s']:6.1f} tok/s", flush=True)
+    for repeat in range(args.repeats):  # repeats interleave the settings, so a slow spell does not hit one setting
+        for temperature in args.temperatures:
+            for batch in args.batches:
+                params = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens[i % len(args.max_tokens)],
+                                         seed=None) for i in range(len(prompts))]  # fmt: skip
+                llm.reset_prefix_cache()  # every setting prefills its prompts in full, as fresh requests would
+                drafts0, accepted0 = spec_counters(llm)
+                outputs, start = [], time.perf_counter()
+                for i in range(0, len(prompts), batch):
+                    outputs += llm.generate(prompts[i : i + batch], params[i : i + batch], use_tqdm=False)
+                seconds = time.perf_counter() - start
+                drafts, accepted = spec_counters(llm)
+                tokens = [list(o.outputs[0].token_ids) for o in outputs]
+                setting = f"T={temperature:g} batch={batch}"
+                r = results.setdefault(setting, {"temperature": temperature, "batch": batch, "seconds": [],
+                                                 "new_tokens": [], "tokens_per_s": [], "drafts": 0, "accepted": 0,
+                                                 "outputs": []})  # fmt: skip
+                r["seconds"].append(seconds)
+                r["new_tokens"].append(sum(map(len, tokens)))
+                r["tokens_per_s"].append(sum(map(len, tokens)) / seconds)
+                r["drafts"] += drafts - drafts0
+                r["accepted"] += accepted - accepted0
+                r["outputs"].append(tokens)
+                print(f"{args.method:10s} {setting}: {r['tokens_per_s'][-1]:6.1f} tok/s", flush=True)
+    for r in results.values():
+        r["tau"] = 1 + r["accepted"] / r["drafts"] if r["drafts"] else None  # vLLM's τ over all repeats
     if spec is not None:  # needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set by `run`) to send the function
         results["drafter"] = llm.collective_rpc(describe_drafter)[0]
     Path(args.out).write_text(json.dumps(results))
 
 
+def engine_command(args, method: str, out: str) -> list[str]:
+    return [sys.executable, __file__, "engine", "--method", method, "--out", out, "--prompts", args.prompts,
+            "--checkpoint", args.checkpoint, "--target", args.target, "--dtype", args.dtype, "--k", str(args.k),
+            "--max-tokens", *map(str, args.max_tokens), "--memory", str(args.memory),
+            "--max-model-len", str(args.max_model_len), "--draft-sampling", args.draft_sampling,
+            "--speculate-up-to", str(args.speculate_up_to), "--repeats", str(args.repeats),
+            "--batches", *map(str, args.batches),
+            "--temperatures", *map(str, args.temperatures)] + (["--eager"] if args.eager else [])  # fmt: skip
+
+
 def run(args) -> None:
     import vllm
 
-    rows, raw, failed = [], {}, []
-    for method in args.methods:
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            command = [sys.executable, __file__, "engine", "--method", method, "--out", out.name, "--prompts", args.prompts,
-                       "--checkpoint", args.checkpoint, "--target", args.target, "--dtype", args.dtype, "--k", str(args.k),
-                       "--max-tokens", *map(str, args.max_tokens), "--memory", str(args.memory),
-                       "--max-model-len", str(args.max_model_len), "--draft-sampling", args.draft_sampling,
-                       "--speculate-up-to", str(args.speculate_up_to),
-                       "--batches", *map(str, args.batches),
-                       "--temperatures", *map(str, args.temperatures)] + (["--eager"] if args.eager else [])  # fmt: skip
-            done = subprocess.run(command, env={**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
-            if done.returncode != 0:  # keep the other engines' figures; say which one failed
-                print(f"\n*** the {method} engine failed (exit {done.returncode}); its rows are missing ***\n")
-                failed.append(method)
-                continue
-            raw[method] = json.loads(Path(out.name).read_text())
+    # raw[method]: one {setting: result} per round; the rounds interleave the engines (plain, xpress, plain, ...)
+    raw, failed, drafters = {}, [], {}
+    for round_ in range(args.rounds):
+        for method in args.methods:
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                done = subprocess.run(engine_command(args, method, out.name),
+                                      env={**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # fmt: skip
+                if done.returncode != 0:  # keep the other engines' figures; say which one failed
+                    print(f"\n*** the {method} engine failed in round {round_ + 1} (exit {done.returncode}) ***\n")
+                    failed.append(f"{method} (round {round_ + 1})")
+                    continue
+                result = json.loads(Path(out.name).read_text())
+            if "drafter" in result:
+                drafters[method] = result.pop("drafter")
+            raw.setdefault(method, []).append(result)
+    if "plain" not in raw:
+        sys.exit(f"the plain engine failed in every round: nothing to compare with ({failed})")
+    samples = args.rounds * args.repeats
     print(f"\nvLLM {vllm.__version__}, {args.dtype}, K={args.k}, {'/'.join(map(str, args.max_tokens))} new tokens, "
           f"{len(json.loads(Path(args.prompts).read_text())['prompt_token_ids'])} prompts, "
-          f"{'eager' if args.eager else 'compiled (vLLM default)'}")  # fmt: skip
-    print(f"{'setting':18s} {'method':10s} {'tok/s':>7s} {'vs plain':>8s} {'tau':>5s} {'drafts':>6s} {'identical':>9s}")
+          f"{'eager' if args.eager else 'compiled (vLLM default)'}, {args.rounds} round(s) x {args.repeats} "
+          f"repeat(s): median tok/s; 'vs plain' is the ratio of medians, 'paired' the range of the ratios "
+          f"of samples taken side by side (same round, same repeat)")  # fmt: skip
+    for method, drafter in drafters.items():
+        print(f"{method}: {drafter}")
+    print(f"{'setting':18s} {'method':10s} {'tok/s':>7s} {'vs plain':>8s} {'paired':>11s} {'tau':>5s} {'drafts':>6s} "
+          f"{'identical':>9s}")  # fmt: skip
     methods = [m for m in args.methods if m in raw]
-    for method in methods:
-        if "drafter" in raw[method]:
-            print(f"{method}: {raw[method].pop('drafter')}")
-    for setting, plain in raw["plain"].items():
+    rows = []
+    for setting in raw["plain"][0]:
+        plain = [x for rnd in raw["plain"] for x in rnd[setting]["tokens_per_s"]]
+        plain_outputs = raw["plain"][0][setting]["outputs"][0]
         for method in methods:
-            r = raw[method][setting]
-            same = None
-            if r["temperature"] == 0 and method != "plain":
-                same = sum(a == b for a, b in zip(r["outputs"], plain["outputs"]))
-            row = {"setting": setting, "method": method, "temperature": r["temperature"], "batch": r["batch"],
-                   "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / plain["tokens_per_s"],
-                   "tau": r["tau"], "drafts": r["drafts"], "identical": same, "prompts": len(r["outputs"]),
-                   "new_tokens": r["new_tokens"]}  # fmt: skip
+            results = [rnd[setting] for rnd in raw[method]]
+            speeds = [x for r in results for x in r["tokens_per_s"]]
+            drafts, accepted = sum(r["drafts"] for r in results), sum(r["accepted"] for r in results)
+            tau = 1 + accepted / drafts if drafts else None
+            same = total = None
+            if results[0]["temperature"] == 0:  # every sample of every round against plain's first
+                outputs = [o for r in results for o in r["outputs"]]
+                total = len(plain_outputs) * len(outputs)
+                same = sum(a == b for o in outputs for a, b in zip(o, plain_outputs))
+            paired = [a / b for a, b in zip(speeds, plain)] if len(speeds) == len(plain) else []
+            row = {"setting": setting, "method": method, "temperature": results[0]["temperature"],
+                   "batch": results[0]["batch"], "tokens_per_s": statistics.median(speeds), "samples": speeds,
+                   "speedup": statistics.median(speeds) / statistics.median(plain),
+                   "paired_speedups": paired, "tau": tau, "drafts": drafts, "identical": same, "outputs": total,
+                   "new_tokens": [n for r in results for n in r["new_tokens"]]}  # fmt: skip
             rows.append(row)
-            tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
-            ident = "" if same is None else f"{same}/{len(r['outputs'])}"
-            drafts = "" if method == "plain" else r["drafts"]
-            print(f"{setting:18s} {method:10s} {r['tokens_per_s']:7.1f} {row['speedup']:7.2f}x {tau:>5s} {drafts:>6} "
-                  f"{ident:>9s}")
+            spread = f"{min(paired):.2f}-{max(paired):.2f}" if paired and method != "plain" else ""
+            print(f"{setting:18s} {method:10s} {row['tokens_per_s']:7.1f} {row['speedup']:7.2f}x {spread:>11s} "
+                  f"{'' if tau is None else f'{tau:.2f}':>5s} {'' if method == 'plain' else drafts:>6} "
+                  f"{'' if same is None else f'{same}/{total}':>9s}")  # fmt: skip
+    if samples > 1:
+        print(f"plain's own spread, max/min tok/s over its {samples} samples: " + ", ".join(
+            f"{s} {max(v) / min(v):.2f}" for s, v in ((s, [x for rnd in raw['plain'] for x in rnd[s]['tokens_per_s']])
+                                                      for s in raw['plain'][0])))  # fmt: skip
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         settings = {k: getattr(args, k) for k in ("k", "dtype", "max_tokens", "batches", "temperatures", "eager",
-                                                  "draft_sampling", "speculate_up_to")}
+                                                  "draft_sampling", "speculate_up_to", "rounds", "repeats")}
         Path(args.json).write_text(json.dumps({"vllm": vllm.__version__, "settings": settings, "rows": rows,
-                                               "failed": failed}, indent=1))  # fmt: skip
-    if any(r["identical"] is not None and r["identical"] != r["prompts"] for r in rows):
+                                               "drafters": drafters, "failed": failed}, indent=1))  # fmt: skip
+    if any(r["identical"] is not None and r["identical"] != r["outputs"] for r in rows):
         sys.exit("greedy outputs differ from vLLM plain (see the table)")
     if failed:
         sys.exit(f"engines that failed: {failed}")
@@ -196,6 +234,7 @@ def main() -> None:
         p.add_argument("--max-tokens", type=int, nargs="+", default=[128],
                        help="new tokens per request; several values are cycled over the prompts (staggered finishes)")
         p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+        p.add_argument("--repeats", type=int, default=1, help="passes over every setting inside each engine")
         p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
         p.add_argument("--memory", type=float, default=0.3, help="gpu_memory_utilization: on CPU, the share of RAM for KV")
         p.add_argument("--max-model-len", type=int, default=2048)
@@ -209,6 +248,8 @@ def main() -> None:
         if name == "run":
             p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
             p.add_argument("--json", default=None)
+            p.add_argument("--rounds", type=int, default=1,
+                           help="start every engine this many times, interleaved (plain, xpress, plain, xpress, ...)")
         else:
             p.add_argument("--method", choices=METHODS, required=True)
             p.add_argument("--out", required=True)

@@ -97,3 +97,26 @@ def test_cpu_expand_fix_keeps_float_values():
     ids = torch.empty(5, dtype=torch.int64)
     expand_kernel_impl(ids[:5], torch.tensor([7, 0, 9]), cu[:3], 0, 0)
     assert ids.tolist() == [7, 7, 9, 9, 9]
+
+
+def test_steps_without_drafts_draw_no_recovered_tokens():
+    """xpress_vllm.fixes: vLLM's rejection sampler draws "recovered" tokens (noise over the whole vocabulary per
+    request) even in a step with no draft token; the wrapper returns the empty result without calling it, and
+    hands every step with drafts to vLLM's function unchanged. (Against vLLM's own function: test_vllm_plugin.py.)"""
+    from xpress_vllm.fixes import skip_recovered_tokens_without_drafts
+
+    calls = []
+
+    def vllm_sample_recovered_tokens(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, *rest):
+        calls.append((max_spec_len, draft_token_ids.tolist(), len(rest)))
+        return torch.full_like(draft_token_ids, 7)
+
+    wrapped = skip_recovered_tokens_without_drafts(vllm_sample_recovered_tokens)
+    probs = torch.softmax(torch.randn(3, 11), -1)
+    none = wrapped(0, [0, 0], torch.zeros(2, dtype=torch.int32), torch.empty(0, dtype=torch.int32), None,
+                   probs[:0], None, "cpu", False)  # fmt: skip
+    assert none.shape == (0,) and none.dtype == torch.int32 and calls == []
+    some = wrapped(2, [2, 0, 1], torch.tensor([2, 2, 3], dtype=torch.int32), torch.tensor([4, 5, 6], dtype=torch.int32),
+                   None, probs, None, "cpu", False)  # fmt: skip
+    assert some.tolist() == [7, 7, 7] and calls == [(2, [4, 5, 6], 5)]
+    assert skip_recovered_tokens_without_drafts(wrapped) is wrapped  # a second `register` does not wrap twice
