@@ -176,8 +176,8 @@ def run(args) -> None:
           f"{'identical':>9s}")  # fmt: skip
     methods = [m for m in args.methods if m in raw]
     rows = []
-    for setting in raw["plain"][0]:
-        plain = [x for rnd in raw["plain"] for x in rnd[setting]["tokens_per_s"]]
+    plain_samples = {s: [x for rnd in raw["plain"] for x in rnd[s]["tokens_per_s"]] for s in raw["plain"][0]}
+    for setting, plain in plain_samples.items():
         plain_outputs = raw["plain"][0][setting]["outputs"][0]
         for method in methods:
             results = [rnd[setting] for rnd in raw[method]]
@@ -202,8 +202,7 @@ def run(args) -> None:
                   f"{'' if same is None else f'{same}/{total}':>9s}")  # fmt: skip
     if samples > 1:
         print(f"plain's own spread, max/min tok/s over its {samples} samples: " + ", ".join(
-            f"{s} {max(v) / min(v):.2f}" for s, v in ((s, [x for rnd in raw['plain'] for x in rnd[s]['tokens_per_s']])
-                                                      for s in raw['plain'][0])))  # fmt: skip
+            f"{s} {max(v) / min(v):.2f}" for s, v in plain_samples.items()))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         settings = {k: getattr(args, k) for k in ("k", "dtype", "max_tokens", "batches", "temperatures", "eager",
