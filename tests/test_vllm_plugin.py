@@ -119,13 +119,40 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+def test_steps_without_drafts_sample_as_vllms_rejection_sampler_would(vllm_python):
+    """On CPU `register` wraps vLLM's `RejectionSampler.forward` (xpress_vllm/fixes.py). Checked against vLLM's own
+    code: for a step without drafts its output is the bonus tokens of `self.sampler(..., predict_bonus_token=True)`
+    on the rows `bonus_logits_indices` picks, and with no drafts those are all rows, in order."""
+    code = """
+import inspect, types, numpy as np, torch, xpress_vllm
+from vllm.v1.sample import rejection_sampler as rs
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+own = rs.RejectionSampler.forward
+xpress_vllm.register()
+assert rs.RejectionSampler.forward.samples_plainly_without_drafts and rs.RejectionSampler.forward.__wrapped__ is own
+source = inspect.getsource(own)
+assert "bonus_logits = logits[bonus_logits_indices]" in source and "predict_bonus_token=True" in source
+# The model runner's metadata for three requests (5, 1 and 34 tokens scheduled) with no drafts
+runner = types.SimpleNamespace(arange_np=np.arange(256), _arange_scratch=np.zeros(256, np.int32),
+                               device=torch.device("cpu"), input_ids=types.SimpleNamespace(gpu=torch.arange(256)))
+runner._get_cumsum_and_arange = lambda *a, **k: GPUModelRunner._get_cumsum_and_arange(runner, *a, **k)
+metadata = GPUModelRunner._calc_spec_decode_metadata(runner, np.zeros(3, np.int32), np.array([5, 6, 40], np.int32))
+assert metadata.max_spec_len == 0 and metadata.logits_indices.tolist() == [4, 5, 39]
+assert metadata.bonus_logits_indices.tolist() == [0, 1, 2]
+print("ok")
+"""
+    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 def test_greedy_output_is_vllm_plains_at_batch_1_and_8(vllm_python, prompts_file, target_dir, tmp_path):
     """SmolLM2 fp32, greedy: vLLM with the xPress drafter emits exactly vLLM plain's tokens, one request at a time
     and eight at once (mixed prompt lengths); the head ran inside vLLM's dFlash proposer and paid off (τ).
 
     With vLLM's dynamic schedule (`xpress-dyn`: drafts only while at most 2 requests run), the eight-request batch
-    starts with steps that draft nothing, where the plugin only writes context K/V into the drafter's cache (the
-    prompts' included); six requests stop after 24 tokens, and the last two then draft from that cache."""
+    starts with steps that draft nothing, where the plugin only keeps the context writes (the prompts' included); six
+    requests stop after 24 tokens, and the first step that drafts writes the last two's context into the drafter's
+    cache and drafts from it (a lost or misplaced write would show as τ near 1)."""
     settings = ("--batches", "1", "8", "--temperatures", "0", "--k", "3", "--max-tokens", *["24"] * 6, "72", "72")
     plain = run_engine(vllm_python, "plain", prompts_file, tmp_path / "plain.json", target_dir, *settings)
     xpress = run_engine(vllm_python, "xpress", prompts_file, tmp_path / "xpress.json", target_dir, *settings)

@@ -120,3 +120,89 @@ def test_steps_without_drafts_draw_no_recovered_tokens():
                    None, probs, None, "cpu", False)  # fmt: skip
     assert some.tolist() == [7, 7, 7] and calls == [(2, [4, 5, 6], 5)]
     assert skip_recovered_tokens_without_drafts(wrapped) is wrapped  # a second `register` does not wrap twice
+
+
+def test_deferred_context_leaves_the_cache_as_eager_writes():
+    """xpress_vllm.context: context writes kept while no draft reads them, and taken for the blocks a step is about to
+    touch, leave every block that step reads exactly as writing in every step (vLLM's way) would. The steps reuse
+    slots (a rejected draft's slot, a freed block another request fills), carry padding slots (-1), and overflow the
+    pending limit; the "projection" is a function of hidden state and position, so a lost, stale or misplaced write
+    shows."""
+    from xpress_vllm.context import DeferredContext
+
+    block_size, num_blocks, width = 4, 12, 3
+    g = torch.Generator().manual_seed(0)
+    eager = torch.zeros(num_blocks * block_size, width)
+    deferred = torch.zeros_like(eager)
+    pending = DeferredContext(block_size, max_tokens=40)
+
+    def write(cache, hidden, positions, slots):  # stands for the projection into K/V and the cache insert
+        real = slots >= 0
+        cache[slots[real]] = hidden[real] * 10 + positions[real, None]
+
+    taken_total = 0
+    for step in range(300):
+        n = int(torch.randint(1, 9, (), generator=g))
+        hidden = torch.randn(n, width, generator=g)
+        positions = torch.randint(0, 64, (n,), generator=g)
+        slots = torch.randint(-1, num_blocks * block_size, (n,), generator=g)  # duplicates and padding included
+        if step % 5 == 4:  # a step that drafts: its requests' blocks are written, then read
+            blocks = torch.randperm(num_blocks, generator=g)[:3]
+            slots = torch.where(slots < 0, slots, blocks[slots % 3] * block_size + slots % block_size)
+            writes = pending.take(blocks)
+            if writes is not None:
+                taken_total += writes[2].numel()
+                assert torch.isin(writes[2] // block_size, blocks).all()
+                assert writes[2].unique().numel() == writes[2].numel()  # one write per slot, the newest
+                write(deferred, *writes)
+            write(eager, hidden, positions, slots)
+            write(deferred, hidden, positions, slots)  # the drafting step's own context goes in at once
+            read = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+            torch.testing.assert_close(deferred[read], eager[read], rtol=0, atol=0)
+            continue
+        write(eager, hidden, positions, slots)
+        pending.add(hidden, positions, slots)
+        if pending.full:
+            write(deferred, *pending.take())
+    assert taken_total > 0
+    writes = pending.take()
+    if writes is not None:
+        write(deferred, *writes)
+    torch.testing.assert_close(deferred, eager, rtol=0, atol=0)
+    assert pending.num_tokens == 0 and pending.take() is None
+
+
+def test_steps_without_drafts_sample_plainly():
+    """xpress_vllm.fixes: a step without drafts (and without logprobs) gets its tokens from vLLM's sampler called as
+    the rejection sampler calls it for bonus tokens, on the logits themselves; a step with drafts, or one that asks
+    for logprobs, runs vLLM's rejection pass. (The χ² test in test_vllm_plugin.py samples through it: the first
+    token of each continuation comes from a step without drafts.)"""
+    from types import SimpleNamespace
+
+    from xpress_vllm.fixes import sample_plainly_without_drafts
+
+    calls = []
+
+    class RejectionSampler:  # stands for vLLM's: its own forward, and the Sampler it holds
+        def sampler(self, logits, sampling_metadata, predict_bonus_token=False):
+            calls.append(("sampler", logits, predict_bonus_token))
+            return "plain output"
+
+        def forward(self, metadata, draft_probs, logits, sampling_metadata):
+            calls.append(("rejection", metadata.max_spec_len))
+            return "rejection output"
+
+    forward = sample_plainly_without_drafts(RejectionSampler.forward)
+    logits = torch.randn(4, 11)
+    none = SimpleNamespace(max_spec_len=0, bonus_logits_indices=torch.arange(4))
+    some = SimpleNamespace(max_spec_len=2, bonus_logits_indices=torch.tensor([2, 5, 6, 9]))
+    plain = SimpleNamespace(max_num_logprobs=None, logprob_token_ids=None)
+    assert forward(RejectionSampler(), none, None, logits, plain) == "plain output"
+    assert calls == [("sampler", logits, True)]  # the tensor itself, no copy
+    calls.clear()
+    assert forward(RejectionSampler(), some, None, torch.randn(10, 11), plain) == "rejection output"
+    for logprobs in [SimpleNamespace(max_num_logprobs=5, logprob_token_ids=None),
+                     SimpleNamespace(max_num_logprobs=None, logprob_token_ids={0: [3]})]:  # fmt: skip
+        assert forward(RejectionSampler(), none, None, logits, logprobs) == "rejection output"
+    assert calls == [("rejection", 2), ("rejection", 0), ("rejection", 0)]
+    assert sample_plainly_without_drafts(forward) is forward  # a second `register` does not wrap twice

@@ -1,5 +1,5 @@
 """Fixes for vLLM's CPU build, installed by `register`: a bug that breaks every speculative method at temperature
-> 0, a compile-cache fault, and a cost paid in steps that verify no draft.
+> 0, a compile-cache fault, and two costs paid in steps that verify no draft.
 
 vLLM 0.32's CPU build replaces the rejection sampler's `expand_kernel` (per-request values such as temperatures
 expanded to one per draft token) with `vllm.utils.cpu_triton_utils._expand_kernel_impl`. That function casts the
@@ -26,6 +26,12 @@ vocabulary for each request, for zero draft positions. With 16 requests on this 
 0.96 s of a 5.9 s pass where vLLM plain took 4.6 s (`torch.profiler`, one process, T=1, 64 tokens each; 4.85 s
 with the wrapper). `skip_recovered_tokens_without_drafts` returns the empty result without drawing; with any draft
 in the step, vLLM's own function runs unchanged.
+
+The rest of that pass costs too: for a step without drafts vLLM's rejection sampler copies the logits, samples the
+bonus tokens from the copy (and copies them again as logprobs it then drops), then runs its logits processors and
+rejection kernels on zero draft positions; 0.9 ms a step at batch 16 here, 1.1% of a greedy pass (cProfile, one
+process). `sample_plainly_without_drafts` hands such a step's logits to vLLM's own sampler, the bonus-token call the
+rejection sampler makes itself, as vLLM plain does, when no logprobs are asked for; anything else runs vLLM's code.
 """
 
 import functools
@@ -59,9 +65,30 @@ def skip_recovered_tokens_without_drafts(sample_recovered_tokens):
     return wrapper
 
 
+def sample_plainly_without_drafts(forward):
+    """Wrap vLLM's `RejectionSampler.forward(metadata, draft_probs, logits, sampling_metadata)`: with no draft in the
+    step (`max_spec_len == 0`: one row of logits per request, each the request's bonus position) and no logprobs
+    requested, the output is the bonus tokens, sampled by the same `self.sampler(..., predict_bonus_token=True)` call
+    vLLM makes, on the logits themselves rather than a copy (vLLM plain's sampler also works on them in place)."""
+    if getattr(forward, "samples_plainly_without_drafts", False):
+        return forward
+
+    @functools.wraps(forward)
+    def wrapper(self, metadata, draft_probs, logits, sampling_metadata):
+        one_row_per_request = logits is not None and logits.shape[0] == metadata.bonus_logits_indices.numel()
+        no_logprobs = sampling_metadata.max_num_logprobs is None and not sampling_metadata.logprob_token_ids
+        if metadata.max_spec_len == 0 and one_row_per_request and no_logprobs:
+            return self.sampler(logits=logits, sampling_metadata=sampling_metadata, predict_bonus_token=True)
+        return forward(self, metadata, draft_probs, logits, sampling_metadata)
+
+    wrapper.samples_plainly_without_drafts = True
+    return wrapper
+
+
 def install_cpu_fixes() -> None:
-    """Replace the broken CPU expand override, keep vLLM's compile cache off and skip the recovered-token draw of
-    steps without drafts (vLLM 0.32's CPU build only, where they were found and measured; a no-op elsewhere).
+    """Replace the broken CPU expand override, keep vLLM's compile cache off, and in steps without drafts skip the
+    recovered-token draw and the rejection pass (vLLM 0.32's CPU build only, where they were found and measured; a
+    no-op elsewhere).
     XPRESS_VLLM_KEEP_CPU_EXPAND=1 keeps vLLM's own expand, to reproduce the bug (the tests check their χ² test sees
     it)."""
     from vllm.platforms import current_platform
@@ -73,6 +100,8 @@ def install_cpu_fixes() -> None:
 
     rejection_sampler.sample_recovered_tokens = skip_recovered_tokens_without_drafts(
         rejection_sampler.sample_recovered_tokens)  # fmt: skip
+    sampler_class = rejection_sampler.RejectionSampler
+    sampler_class.forward = sample_plainly_without_drafts(sampler_class.forward)
     if os.environ.get("XPRESS_VLLM_KEEP_CPU_EXPAND") == "1":
         return
     from vllm.utils import cpu_triton_utils
@@ -81,4 +110,5 @@ def install_cpu_fixes() -> None:
         cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
 
 
-__all__ = ["expand_kernel_impl", "install_cpu_fixes", "skip_recovered_tokens_without_drafts"]
+__all__ = ["expand_kernel_impl", "install_cpu_fixes", "sample_plainly_without_drafts",
+           "skip_recovered_tokens_without_drafts"]

@@ -6,9 +6,12 @@ instead: each request's K draft positions are decoded together, every position c
 anchor and drafted prefix (`XPressDFlashForCausalLM.draft`). Any other drafter takes vLLM's own path unchanged.
 """
 
+import os
+
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from .context import DeferredContext
 from .model import XPressDFlashForCausalLM
 
 
@@ -19,15 +22,24 @@ def _unwrapped(model):
 class XPressDFlashProposer(DFlashProposer):
     """vLLM's `DFlashProposer` whose token choice goes through an xPress drafter's head.
 
-    A step whose schedule asks for no drafts (vLLM's dynamic schedule at large batches) only writes the new context
-    K/V into the drafter's cache, which later drafts attend to; vLLM's own proposer also runs the drafter's query
-    forward there and throws its result away. The query slots it would have written are overwritten by the next
-    step's context before any draft reads them."""
+    A step whose schedule asks for no drafts (vLLM's dynamic schedule at large batches) only keeps the new context
+    writes (`context.DeferredContext`): vLLM's own proposer projects them into the drafter's cache there, and also
+    runs the drafter's query forward and throws its result away. The kept writes go into the cache, in one batch,
+    before a step that drafts touches their blocks, or once `max_num_batched_tokens` of them are pending. The query
+    slots vLLM's forward would have written are overwritten by the next step's context before any draft reads them.
+    The writes wait on CPU only, where this was measured (docs/vllm.md); elsewhere, or with
+    XPRESS_VLLM_EAGER_CONTEXT=1, each step's context goes into the cache in that step, as in vLLM."""
 
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                 next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
                 mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None):
-        if num_speculative_tokens or not isinstance(_unwrapped(self.model), XPressDFlashForCausalLM):
+        if not isinstance(_unwrapped(self.model), XPressDFlashForCausalLM):
+            return super().propose(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                                   next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                                   mm_embed_inputs, num_rejected_tokens_gpu, slot_mappings)
+        pending = self._deferred_context()
+        if num_speculative_tokens:  # this step's drafts read (and write) its requests' blocks: their context first
+            self._write_context(pending.take(common_attn_metadata.block_table_tensor[: common_attn_metadata.num_reqs]))
             return super().propose(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                                    next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
                                    mm_embed_inputs, num_rejected_tokens_gpu, slot_mappings)
@@ -37,16 +49,34 @@ class XPressDFlashProposer(DFlashProposer):
             target_token_ids=target_token_ids,
             next_token_ids=next_token_ids,
             target_positions=target_positions,
-            target_hidden_states=self.model.combine_hidden_states(target_hidden_states),
+            target_hidden_states=target_hidden_states,
             token_indices_to_sample=token_indices_to_sample,
             cad=common_attn_metadata,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
-        num_context = self._dflash_num_context
-        self.model.precompute_and_store_context_kv(self._dflash_hidden_states,
-                                                   self._context_positions_buffer[:num_context],
-                                                   self._context_slot_mapping_buffer[:num_context])
+        n = self._dflash_num_context
+        writes = (target_hidden_states[:n], self._context_positions_buffer[:n], self._context_slot_mapping_buffer[:n])
+        if self._defers_context():
+            pending.add(*writes)
+            if pending.full:
+                self._write_context(pending.take())
+        else:
+            self._write_context(writes)
         return torch.empty(common_attn_metadata.batch_size(), 0, dtype=torch.int64, device=self.device)
+
+    def _deferred_context(self) -> DeferredContext:
+        if getattr(self, "_pending_context", None) is None:
+            self._pending_context = DeferredContext(self.block_size, self.max_num_tokens)
+        return self._pending_context
+
+    def _defers_context(self) -> bool:
+        return self.device.type == "cpu" and os.environ.get("XPRESS_VLLM_EAGER_CONTEXT") != "1"
+
+    def _write_context(self, writes) -> None:
+        """vLLM's context projection (fc over the target's hidden states, then each layer's K/V) into the cache."""
+        if writes is not None:
+            hidden, positions, slots = writes
+            self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(hidden), positions, slots)
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata):
         model = _unwrapped(self.model)
