@@ -33,13 +33,11 @@ class XPressDFlashProposer(DFlashProposer):
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                 next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
                 mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None):
-        if not isinstance(_unwrapped(self.model), XPressDFlashForCausalLM):
-            return super().propose(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
-                                   next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
-                                   mm_embed_inputs, num_rejected_tokens_gpu, slot_mappings)
-        pending = self._deferred_context()
-        if num_speculative_tokens:  # this step's drafts read (and write) its requests' blocks: their context first
-            self._write_context(pending.take(common_attn_metadata.block_table_tensor[: common_attn_metadata.num_reqs]))
+        ours = isinstance(_unwrapped(self.model), XPressDFlashForCausalLM)
+        if ours and num_speculative_tokens:  # this step's drafts read (and write) its requests' blocks: context first
+            blocks = common_attn_metadata.block_table_tensor[: common_attn_metadata.num_reqs]
+            self._write_context(self._deferred_context().take(blocks))
+        if num_speculative_tokens or not ours:
             return super().propose(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                                    next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
                                    mm_embed_inputs, num_rejected_tokens_gpu, slot_mappings)
@@ -57,6 +55,7 @@ class XPressDFlashProposer(DFlashProposer):
         n = self._dflash_num_context
         writes = (target_hidden_states[:n], self._context_positions_buffer[:n], self._context_slot_mapping_buffer[:n])
         if self._defers_context():
+            pending = self._deferred_context()
             pending.add(*writes)
             if pending.full:
                 self._write_context(pending.take())
