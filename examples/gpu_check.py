@@ -145,9 +145,9 @@ def tree_steps(target, xpress, ids, new_tokens: int, clock: WallClock, budgets: 
 def refiner_latency(xpress, device, dtype, clock: WallClock, repeats: int) -> dict:
     """Seconds per block refinement at each fixed K (early exit off), eager and compiled, on random drafter outputs."""
     n, vocab = xpress.config.num_draft_tokens, xpress.config.vocab_size
-    hidden = torch.randn(1, n, xpress.config.hidden_size, device=device, dtype=dtype)
+    hidden = torch.randn(1, n + 1, xpress.config.hidden_size, device=device, dtype=dtype)  # every slot of a block
     base = torch.randn(1, n, vocab, device=device, dtype=dtype) * 4
-    anchor = torch.zeros(1, dtype=torch.long, device=device)
+    last = torch.zeros(1, 2, dtype=torch.long, device=device)  # the token before the anchor, the anchor
     folded = xpress.refiner.folded()
     cuda = device.type == "cuda"
     if cuda:
@@ -162,7 +162,7 @@ def refiner_latency(xpress, device, dtype, clock: WallClock, repeats: int) -> di
         def call():
             if cuda:
                 torch.compiler.cudagraph_mark_step_begin()
-            return fn(hidden, base, anchor)
+            return fn(hidden, base, last)
 
         return call
 

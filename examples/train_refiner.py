@@ -116,6 +116,14 @@ class ScriptArguments:
                   "keeps that folder's drafter and starts a fresh head)."},
     )
     refiner_rank: int = field(default=256, metadata={"help": "Low rank r of the refiner / Markov head."})
+    refiner_form: str | None = field(
+        default=None,
+        metadata={"help": "The xPress head's function: release (the authors', default for a fresh head) or paper "
+                  "(XPressConfig.refiner_form)."},
+    )
+    refiner_mlp_hidden: int | None = field(
+        default=None, metadata={"help": "The xPress head's MLP width (default 2 x --refiner_rank; the authors': 512)."}
+    )
     block_size: int = field(default=16, metadata={"help": "Fresh drafter: tokens per block, anchor included."})
     num_draft_layers: int = field(default=5, metadata={"help": "Fresh drafter: number of decoder layers."})
     target_layer_ids: str = field(
@@ -236,6 +244,9 @@ def build_drafter(args: ScriptArguments, target, data) -> XPressModel:
     head = {"refiner_rank": args.refiner_rank}
     if args.refiner is not None:
         head["refiner"] = args.refiner
+    for name in ("refiner_form", "refiner_mlp_hidden"):
+        if getattr(args, name) is not None:
+            head[name] = getattr(args, name)
     if args.init_from and args.init_from_target_layers:
         raise ValueError(
             "--init_from (a checkpoint) and --init_from_target_layers (the target's own layers) both say where the "
@@ -268,9 +279,11 @@ def build_drafter(args: ScriptArguments, target, data) -> XPressModel:
         model = XPressModel.from_pretrained(folder)
         if args.target_layer_ids:
             model = read_more_target_layers(model, integer_list(args.target_layer_ids, "--target_layer_ids"))
-        if args.refiner is not None and args.refiner != model.config.refiner:
-            # e.g. a drafter trained alone (refiner="none") getting its head: keep the drafter, start the head fresh
-            return with_fresh_head(model, args.refiner, args.refiner_rank)
+        fields = ("refiner", "refiner_form", "refiner_mlp_hidden")
+        if any(name in head and head[name] != getattr(model.config, name) for name in fields):
+            # e.g. a drafter trained alone (refiner="none") getting its head, or a head of another form or size: keep
+            # the drafter, start the head fresh
+            return with_fresh_head(model, **{"refiner": model.config.refiner, **head})
         return model
     # A dFlash config may lack the target facts; they are the target's by definition.
     text = target.config.get_text_config(decoder=True)

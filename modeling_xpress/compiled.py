@@ -155,7 +155,7 @@ def _block_transform(warpers: Warpers | None, values):
     return transform
 
 
-def jacobi_fixed_iterations(refiner, folded, hidden, base_logits, anchor_ids, *, iterations: int,
+def jacobi_fixed_iterations(refiner, folded, hidden, base_logits, last_tokens, *, iterations: int,
                             to_vocabulary=None, logits_transform=None, noise=None,
                             token_ids=None) -> RefinementResult:  # fmt: skip
     """`jacobi_refine` with a fixed number of full-block iterations and no early exit: the graph-friendly form.
@@ -167,21 +167,14 @@ def jacobi_fixed_iterations(refiner, folded, hidden, base_logits, anchor_ids, *,
     in `jacobi_refine`, everything over the draft vocabulary.
     """
     to_vocabulary = to_vocabulary or (lambda values: values)
-    m = base_logits.shape[1]  # the first m of hidden's n positions are decoded, as in `jacobi_refine`
-    mix = folded.mix[:, :m, :m]
-    # refiner.prepare(hidden), from the precomputed operators: the token-independent part of c, once per block
-    g = hidden.mean(dim=1, keepdim=True)
-    a_hidden = hidden @ folded.hidden_weight.T + g @ folded.global_weight.T  # (b, n, r)
-    prepared = torch.einsum("dkj,bjd->bkd", folded.mix[:, :m], a_hidden)  # (b, m, r)
+    prepared = refiner.prepare(hidden, folded)  # the token-independent part of c, once per block
     processed, tokens = decode(base_logits, logits_transform, noise)  # seed Y^0 from the drafter's marginals
     b = tokens.shape[0]
     counts = torch.zeros(b, dtype=torch.long, device=tokens.device)
     settled = torch.zeros(b, dtype=torch.bool, device=tokens.device)
     for _ in range(iterations):
-        # refiner.delta_folded(prepared, previous) over the m decoded positions
-        previous = previous_tokens(anchor_ids, target_ids(tokens, token_ids))  # (b, m)
-        c = prepared + torch.einsum("dkj,bjd->bkd", mix, folded.token_table[previous])
-        delta = to_vocabulary(refiner.trans_read(c))  # (b, m, V)
+        previous = previous_tokens(last_tokens, target_ids(tokens, token_ids))  # (b, m + 1)
+        delta = to_vocabulary(refiner.delta_folded(prepared, previous, folded=folded))  # (b, m, V)
         processed, new_tokens = decode(base_logits + delta, logits_transform, noise)
         changed = (new_tokens != tokens).any(dim=1)
         counts += (~settled).long()
@@ -298,14 +291,14 @@ class CompiledDecoder:
             torch._dynamo.mark_static_address(rows[0])
         return rows
 
-    def _refine(self, hidden, base_logits, anchor_ids, noise, folded, warp_values):
+    def _refine(self, hidden, base_logits, last_tokens, noise, folded, warp_values):
         xpress, transform = self.xpress, _block_transform(self.warpers, warp_values)
         if folded is None:  # Markov serial decode, plain argmax, or Jacobi with K = 0: no data-dependent control flow
-            result = xpress.refine(hidden, base_logits, anchor_ids, logits_transform=transform, noise=noise)
+            result = xpress.refine(hidden, base_logits, last_tokens, logits_transform=transform, noise=noise)
         else:  # over the draft vocabulary when there is one (`_base_logits`), as `xpress.refine` decides
             vocabulary, draft_space = xpress.decoding_vocabulary(base_logits)
             result = jacobi_fixed_iterations(
-                xpress.refiner, folded, hidden, base_logits, anchor_ids, iterations=self.jacobi_iters,
+                xpress.refiner, folded, hidden, base_logits, last_tokens, iterations=self.jacobi_iters,
                 logits_transform=transform, noise=noise, **vocabulary,
             )  # fmt: skip
             if draft_space:

@@ -21,6 +21,7 @@ from .compiled import (
 )  # fmt: skip
 from .configuration_xpress import is_integer
 from .processors import decoding_processors, warper_values
+from .drafting import last_tokens
 from .refinement import RefinementResult, gumbel_noise
 from .trees import build_tree, keep_path_static, tree_attention_mask
 
@@ -72,13 +73,14 @@ class CompiledSteps:
         stats.record("drafter", t0, t1)
         stats.record("lm_head", t1, t2)
         if self.tree_nodes is not None:  # the eager tree construction on the graphs' outputs, as compile=False
-            tree = build_tree(decoder.xpress, hidden[:, 1:], base, int(anchor), self.tree_nodes, max_depth=depth,
+            tree = build_tree(decoder.xpress, hidden, base, last_tokens(sequence), self.tree_nodes, max_depth=depth,
                               logits_transform=_block_transform(decoder.warpers, self.warp_values),
                               generator=generator, do_sample=self.do_sample)  # fmt: skip
             stats.record("refiner", t2, timer.mark())
             return tree
         noise = gumbel_noise(base.shape, generator=generator, device=base.device) if self.do_sample else None
-        tokens, logits, iterations = decoder.refiner(hidden[:, 1:], base, anchor.view(1), noise, decoder.folded(),
+        last = sequence[0, -2:].clone().view(1, 2)  # the token before the anchor, the anchor
+        tokens, logits, iterations = decoder.refiner(hidden, base, last, noise, decoder.folded(),
                                                      self.warp_values)  # fmt: skip
         stats.record("refiner", t2, timer.mark())
         stats.jacobi_iterations.append(int(iterations[0]))

@@ -22,6 +22,15 @@ def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int
     return torch.cat([hidden_states[i + 1][:, :count] for i in layer_ids], dim=-1)
 
 
+def last_tokens(sequence: torch.Tensor) -> torch.Tensor:
+    """A block's last two committed tokens (1, 2) — the token before the anchor, and the anchor — of a committed
+    sequence (1, t): what the xPress head reads as its first previous tokens (`XPressModel.refine`). Drafting starts
+    after the target's first token, so t ≥ 2."""
+    if sequence.shape[-1] < 2:
+        raise ValueError("a block is drafted after at least two committed tokens (the prompt and the target's first)")
+    return sequence[..., -2:].reshape(1, 2)
+
+
 def run_drafter(xpress, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module, anchor: torch.Tensor,
                 context_features: torch.Tensor, context_start: int, cache: DynamicCache, *, draft_space: bool = False,
                 positions: int | None = None, policy: LinearPolicy | None = None, stats=None, timer=None):  # fmt: skip
@@ -60,7 +69,7 @@ def draft_block(
     xpress,
     embed_tokens: torch.nn.Module,
     lm_head: torch.nn.Module,
-    anchor: torch.Tensor,
+    last: torch.Tensor,
     context_features: torch.Tensor,
     context_start: int,
     cache: DynamicCache,
@@ -76,7 +85,8 @@ def draft_block(
 ) -> RefinementResult:
     """Draft one block after the committed prefix and return its tokens and their distributions.
 
-    anchor: (1,) last committed token (position `context_start + c`); context_features: (1, c, L·H_t) target features
+    last: (1, 2) the last two committed tokens (`last_tokens`), the anchor (position `context_start + c`) last;
+    context_features: (1, c, L·H_t) target features
     of committed tokens the drafter cache has not seen. The drafter cache keeps only context K/V: the block's K/V are
     cropped before returning. `draft_space`: decode over the draft vocabulary (allowed when `vocabulary_local` holds
     for the processors behind `logits_transform`); the result is the same either way, over the whole vocabulary.
@@ -84,12 +94,12 @@ def draft_block(
     come out as they would in the whole block; the drafter itself always runs the whole block. `policy`: the caller's
     `LinearPolicy`, whose "drafter" group runs the drafter's products (None: `F.linear` as it is).
     """
-    timer = timer or SectionTimer(anchor.device)
-    hidden, base = run_drafter(xpress, embed_tokens, lm_head, anchor, context_features, context_start, cache,
+    timer = timer or SectionTimer(last.device)
+    hidden, base = run_drafter(xpress, embed_tokens, lm_head, last[0, -1:], context_features, context_start, cache,
                                draft_space=draft_space, positions=positions, policy=policy, stats=stats, timer=timer)  # fmt: skip
     t2 = timer.mark()
     noise = gumbel_noise(base.shape, generator=generator, device=base.device) if do_sample else None
-    result = xpress.refine(hidden[:, 1:], base, anchor.view(1), logits_transform=logits_transform, noise=noise)
+    result = xpress.refine(hidden, base, last, logits_transform=logits_transform, noise=noise)
     t3 = timer.mark()
     if stats is not None:
         stats.record("refiner", t2, t3)
@@ -97,4 +107,4 @@ def draft_block(
     return result
 
 
-__all__ = ["draft_block", "run_drafter", "target_features"]
+__all__ = ["draft_block", "last_tokens", "run_drafter", "target_features"]

@@ -131,6 +131,29 @@ def check_draft_token_ids(ids: torch.Tensor, size: int, vocab_size: int, where: 
         )
 
 
+def check_loaded_tensors(model: "XPressModel", info: dict) -> None:
+    """A checkpoint whose tensors do not fit the model its config describes would run with some of them at fresh
+    values, a different function that verification cannot see: a ValueError instead, saying what it holds."""
+    missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
+    mismatched = sorted(str(entry[0]) for entry in info.get("mismatched_keys", ()))
+    if not (missing or unexpected or mismatched):
+        return
+    config = model.config
+    hint = ""
+    if any(k.endswith(("up.bias", "down.bias")) for k in unexpected) and config.refiner_form == "release":
+        hint = (
+            ' Its head tensors are those of the "paper" form of the xPress head (checkpoints saved before '
+            '`refiner_form` existed): add "refiner_form": "paper" to its config.json, or pass refiner_form="paper" '
+            "to from_pretrained."
+        )
+    raise ValueError(
+        f"The checkpoint's tensors do not fit its config (refiner={config.refiner!r}, refiner_form="
+        f"{config.refiner_form!r}, refiner_rank={config.refiner_rank}): missing {missing[:6]}, unexpected "
+        f"{unexpected[:6]}, wrong shape {mismatched[:6]}.{hint} Tensors left at fresh values would make a different "
+        "function."
+    )
+
+
 class XPressPreTrainedModel(PreTrainedModel):
     config_class = XPressConfig
     base_model_prefix = "xpress"
@@ -339,7 +362,7 @@ class XPressModel(XPressPreTrainedModel):
         self,
         hidden: torch.Tensor,
         base_logits: torch.Tensor,
-        anchor_ids: torch.Tensor,
+        last_tokens: torch.Tensor,
         *,
         logits_transform=None,
         noise: torch.Tensor | None = None,
@@ -348,27 +371,34 @@ class XPressModel(XPressPreTrainedModel):
     ) -> RefinementResult:
         """Turn one block's drafter outputs into draft tokens and the distribution each was drawn from.
 
-        hidden: (b, n, H) drafter states of the draft positions; base_logits: (b, m, V) over the whole vocabulary
-        (`base_logits`) or, for a drafter with a draft vocabulary, (b, m, V_d) over it (`draft_logits`); anchor_ids:
-        (b,). m ≤ n: only the first m positions are decoded (`draft_logits(..., positions=m)`), with the tokens and
-        distributions they get in the whole block — every head is causal over positions, and the hidden states of
-        all n positions (the xPress head's block summary reads them all) come from the one drafter pass.
-        `logits_transform` maps raw logits to the processed logits a token is decoded from (temperature,
-        top-k/p); `noise` is the block's fixed Gumbel noise (None → greedy), shaped like `base_logits`. xPress runs
-        Jacobi iterations, the Markov head a serial decode, and `refiner="none"` decodes the drafter's marginals
-        (`CorrectionHead.decode`).
+        hidden: (b, B, H) the drafter's last hidden states of the block's slots, the anchor's first (what `forward`
+        returns for one block); base_logits: (b, m, V) over the whole vocabulary (`base_logits`) or, for a drafter
+        with a draft vocabulary, (b, m, V_d) over it (`draft_logits`); last_tokens: (b, 2) the block's last two
+        committed tokens, the one before the anchor and the anchor (the head's previous tokens of the anchor's and
+        the first draft's slots). m ≤ B - 1: only the first m draft positions are decoded (`draft_logits(...,
+        positions=m)`), with the tokens and distributions they get in the whole block — every head is causal over
+        positions, and the hidden states of every slot (the xPress head's block summary reads them all) come from
+        the one drafter pass. `logits_transform` maps raw logits to the processed logits a token is decoded from
+        (temperature, top-k/p); `noise` is the block's fixed Gumbel noise (None → greedy), shaped like
+        `base_logits`. xPress runs Jacobi iterations, the Markov head a serial decode, and `refiner="none"` decodes
+        the drafter's marginals (`CorrectionHead.decode`).
 
         Over the draft vocabulary every iteration works on V_d-wide logits (the same distribution: q is 0 outside
         it), so pass draft logits whenever `logits_transform` treats tokens alike whatever their id (none,
         temperature, top-k, top-p: `vocabulary_local`); a processor that reads ids (repetition penalty, n-gram
         blocking) needs the whole vocabulary. Tokens are target ids and logits (b, m, V) either way.
         """
+        if last_tokens.dim() != 2 or last_tokens.shape[-1] != 2:
+            raise ValueError(
+                f"last_tokens must be (batch, 2): the token before the anchor and the anchor, got shape "
+                f"{tuple(last_tokens.shape)}"
+            )
         vocabulary, draft_space = self.decoding_vocabulary(base_logits)
         result = decode_block(
             self.refiner,
             hidden,
             base_logits,
-            anchor_ids,
+            last_tokens,
             logits_transform=logits_transform,
             noise=noise,
             max_iters=self.config.jacobi_max_iters if max_iters is None else max_iters,
@@ -422,12 +452,25 @@ class XPressModel(XPressPreTrainedModel):
     # --- checkpoints ---------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, then the stored draft vocabulary is checked (`check_draft_token_ids`):
-        a folder whose `draft_token_ids` repeat an id would draft that token with the wrong probability, which
-        verification cannot see, so it is refused here instead."""
-        loaded = super().from_pretrained(*args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained` for a folder or Hub repo id, then two checks. Tensors that do not fit the
+        config's model are refused (`check_loaded_tensors`). The stored draft vocabulary is checked
+        (`check_draft_token_ids`): a folder whose `draft_token_ids` repeat an id would draft that token with the wrong
+        probability, which verification cannot see, so it is refused here instead.
+
+        An xPress release serving folder of the authors (`conversion.RELEASE_ARCHITECTURE`) loads too, by path or Hub
+        id, with its drafter and its head (`conversion.load_xpress_release`); `dtype=` and config fields as keywords
+        (e.g. `jacobi_max_iters=`) apply, as do the Hub arguments (`revision`, `cache_dir`, `token`, ...)."""
+        from .conversion import release_folder
+
+        release = release_folder(pretrained_model_name_or_path, kwargs)
+        if release is not None:
+            return release
+        want_info = kwargs.pop("output_loading_info", False)
+        kwargs.setdefault("ignore_mismatched_sizes", True)  # refused below, with what the checkpoint holds
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        check_loaded_tensors(model, info)
+        loaded = (model, info) if want_info else model
         if model.draft_token_ids is not None:
             check_draft_token_ids(model.draft_token_ids, model.config.draft_vocab_size, model.config.vocab_size,
                                   where="the checkpoint's draft_token_ids")  # fmt: skip

@@ -84,7 +84,7 @@ def build_tree(
     xpress,
     hidden: torch.Tensor,
     base_logits: torch.Tensor,
-    anchor: int,
+    last: torch.Tensor,
     budget: int,
     *,
     max_depth: int | None = None,
@@ -93,10 +93,11 @@ def build_tree(
     generator: torch.Generator | None = None,
     do_sample: bool = False,
 ) -> DraftTree:
-    """A best-first tree of at most `budget` drafts after `anchor` (the last committed token).
+    """A best-first tree of at most `budget` drafts after the anchor (the last committed token).
 
-    hidden (1, n, H): the drafter's states of the block's draft positions; base_logits (1, m, V or V_d): its logits
-    of the first m of them (`XPressModel.base_logits` / `draft_logits`). The children of a path at depth d are drawn
+    hidden (1, B, H): the drafter's states of the block's slots, the anchor's first; last (1, 2): the token before
+    the anchor and the anchor (`drafting.last_tokens`); base_logits (1, m, V or V_d): the drafter's logits of the
+    first m draft positions (`XPressModel.base_logits` / `draft_logits`). The children of a path at depth d are drawn
     from `transform(base_logits[d] + δ_d(path))`: δ from the head on that path alone (`use_head`, default: the config's
     `jacobi_max_iters > 0`), else 0 (the drafter's marginals); `logits_transform` maps (b, k, V) raw logits to the
     processed logits of the sampling distribution (temperature, top-k, top-p), as in `XPressModel.refine`. Greedy,
@@ -118,6 +119,7 @@ def build_tree(
     device = base_logits.device
     max_depth = min(max_depth or base_logits.shape[1], base_logits.shape[1])
     deltas = xpress.refiner.path_deltas(hidden) if use_head else None
+    before, anchor = (int(t) for t in last.view(2))
 
     def as_target_id(token: int) -> int:
         return int(token_ids[token]) if draft_space else token
@@ -128,7 +130,7 @@ def build_tree(
         depth = len(path) - 1
         logits = base_logits[0, depth : depth + 1].float()  # (1, V)
         if deltas is not None:
-            logits = logits + to_vocabulary(deltas(torch.tensor([path], device=device))).float()
+            logits = logits + to_vocabulary(deltas(torch.tensor([[before, *path]], device=device))).float()
         processed = logits_transform(logits.unsqueeze(0))[0, 0] if logits_transform else logits[0]
         logp = processed.log_softmax(-1)
         room = min(room, int(torch.isfinite(logp).sum()))

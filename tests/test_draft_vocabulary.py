@@ -90,20 +90,20 @@ def test_decoding_over_the_draft_vocabulary_equals_decoding_over_the_whole_one(t
     xpress = with_vocabulary(tiny_xpress(target, refiner=refiner), vocabulary)
     lm_head = target.get_output_embeddings()
     ids = torch.tensor(vocabulary)
-    anchor = torch.tensor([vocabulary[7], 50, 11])  # anchors need not lie in the draft vocabulary
+    anchor = torch.tensor([[3, vocabulary[7]], [vocabulary[2], 50], [90, 11]])  # [before, anchor]: any target ids
     hidden = torch.randn(3, xpress.config.block_size, 64)
     whole, draft = xpress.base_logits(hidden, lm_head), xpress.draft_logits(hidden, lm_head)
     assert draft.shape[-1] == 40 and torch.equal(whole[..., ids], draft)
     kwargs = {}
     if sampling:
         noise = torch.distributions.Gumbel(0.0, 1.0).sample(whole.shape)
-        transform = processors_transform(sampling_processors(0.7, 20, 0.9), anchor.view(-1, 1))
+        transform = processors_transform(sampling_processors(0.7, 20, 0.9), anchor)
         kwargs = {"logits_transform": transform}
-        full = xpress.refine(hidden[:, 1:], whole, anchor, noise=noise, **kwargs)
-        fast = xpress.refine(hidden[:, 1:], draft, anchor, noise=noise[..., ids].contiguous(), **kwargs)
+        full = xpress.refine(hidden, whole, anchor, noise=noise, **kwargs)
+        fast = xpress.refine(hidden, draft, anchor, noise=noise[..., ids].contiguous(), **kwargs)
     else:
-        full = xpress.refine(hidden[:, 1:], whole, anchor)
-        fast = xpress.refine(hidden[:, 1:], draft, anchor)
+        full = xpress.refine(hidden, whole, anchor)
+        fast = xpress.refine(hidden, draft, anchor)
     assert torch.equal(fast.tokens, full.tokens) and torch.equal(fast.iterations, full.iterations)
     assert set(fast.tokens.flatten().tolist()) <= set(vocabulary)
     outside = ~torch.isin(torch.arange(96), ids)
@@ -112,7 +112,7 @@ def test_decoding_over_the_draft_vocabulary_equals_decoding_over_the_whole_one(t
     if refiner != "none":
         assert len(set(fast.tokens[0].tolist())) > 1  # really decoding, not a constant block
     with pytest.raises(ValueError, match=r"whole vocabulary \(96\) or the draft vocabulary \(40\), got 39"):
-        xpress.refine(hidden[:, 1:], draft[..., :39], anchor)
+        xpress.refine(hidden, draft[..., :39], anchor)
 
 
 def test_only_id_blind_processors_decode_over_the_draft_vocabulary(target):

@@ -213,7 +213,7 @@ def test_oracle_drafter_drafts_the_chain_until_its_first_wrong_position():
     anchors = torch.randint(0, 64, (len(positions),), generator=torch.Generator().manual_seed(1)).tolist()
     for position, anchor in zip(positions, anchors):
         with torch.no_grad():  # one context token at position - 1, then the block [anchor, masks] from `position` on
-            drafts = xgen.draft_block(xpress, embed, lm_head, torch.tensor([anchor]), features, position - 1,
+            drafts = xgen.draft_block(xpress, embed, lm_head, torch.tensor([[0, anchor]]), features, position - 1,
                                       DynamicCache(config=xpress.config)).tokens[0].tolist()  # fmt: skip
         chain = [anchor]
         for _ in range(ORACLE_BLOCK - 1):

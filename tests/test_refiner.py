@@ -11,11 +11,19 @@ VOCAB, HIDDEN, BLOCK = 50, 32, 9
 N = BLOCK - 1
 
 
-def make_refiner(seed: int = 0, std: float = 0.7) -> XPressRefiner:
+FORMS = ["release", "paper"]
+
+
+@pytest.fixture(params=FORMS)
+def form(request):
+    return request.param
+
+
+def make_refiner(seed: int = 0, std: float = 0.7, form: str = "release") -> XPressRefiner:
     config = XPressConfig(
         vocab_size=VOCAB, target_hidden_size=HIDDEN, hidden_size=HIDDEN, num_target_layers=4, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, block_size=BLOCK,
-        refiner_rank=12,
+        refiner_rank=12, refiner_form=form,
     )  # fmt: skip
     torch.manual_seed(seed)
     refiner = XPressRefiner(config)
@@ -32,40 +40,58 @@ def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def block_inputs(b: int = 3, seed: int = 0):
+    """A block's drafter states over its B slots (anchor first), base logits of its n draft positions, and its last
+    two committed tokens (the token before the anchor, the anchor)."""
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(b, N, HIDDEN, generator=g)
+    hidden = torch.randn(b, BLOCK, HIDDEN, generator=g)
     base = torch.randn(b, N, VOCAB, generator=g)
-    anchor = torch.randint(0, VOCAB, (b,), generator=g)
-    return hidden, base, anchor
+    last = torch.randint(0, VOCAB, (b, 2), generator=g)
+    return hidden, base, last
 
 
-def test_delta_is_not_trivial():
-    refiner = make_refiner()
+def test_delta_is_not_trivial(form):
+    refiner = make_refiner(form=form)
     hidden, _, _ = block_inputs()
-    tokens = torch.randint(0, VOCAB, (3, N))
+    tokens = torch.randint(0, VOCAB, (3, BLOCK))
     delta = refiner(hidden, tokens)
+    assert delta.shape == (3, N, VOCAB)
     assert delta.abs().mean() > 1.0  # the properties below would be vacuous for δ ≈ 0
 
 
-@pytest.mark.parametrize("k", range(N - 1))
-def test_delta_k_depends_only_on_earlier_tokens(k):
-    """Position k (0-based) reads the previous tokens x_0..x_k (tokens[:, :k+1]); perturbing every later token
-    leaves δ at positions ≤ k bit-identical, while later positions do see the change."""
-    refiner = make_refiner()
+@pytest.mark.parametrize("k", range(N))
+def test_delta_k_depends_only_on_earlier_tokens(k, form):
+    """Draft position k + 1 reads the previous tokens x_-1..x_k (previous[:, :k+2]); perturbing every later token
+    leaves δ at positions ≤ k + 1 bit-identical, while later positions do see the change. The token before the
+    anchor (previous[:, 0]) is read by the "release" form only."""
+    refiner = make_refiner(form=form)
     hidden, _, _ = block_inputs()
-    tokens = torch.randint(0, VOCAB, (3, N))
+    tokens = torch.randint(0, VOCAB, (3, BLOCK))
     changed = tokens.clone()
-    changed[:, k + 1 :] = (changed[:, k + 1 :] + 1 + torch.randint(0, VOCAB - 1, changed[:, k + 1 :].shape)) % VOCAB
+    changed[:, k + 2 :] = (changed[:, k + 2 :] + 1 + torch.randint(0, VOCAB - 1, changed[:, k + 2 :].shape)) % VOCAB
     for forward in (lambda t: refiner(hidden, t), lambda t: refiner.delta_folded(refiner.prepare(hidden), t)):
         before, after = forward(tokens), forward(changed)
         assert torch.equal(before[:, : k + 1], after[:, : k + 1])
-        assert not torch.equal(before[:, k + 1 :], after[:, k + 1 :])
+        if k + 1 < N:
+            assert not torch.equal(before[:, k + 1 :], after[:, k + 1 :])
+    before_anchor = tokens.clone()
+    before_anchor[:, 0] = (before_anchor[:, 0] + 1) % VOCAB
+    assert torch.equal(refiner(hidden, tokens), refiner(hidden, before_anchor)) == (form == "paper")
 
 
-def test_folded_equals_unfolded():
-    refiner = make_refiner()
+def test_the_anchor_slot_is_read_by_the_release_form_only(form):
+    """The anchor's drafter state enters the release form (its own slot and the block mean), not the paper's."""
+    refiner = make_refiner(form=form)
     hidden, _, _ = block_inputs()
-    tokens = torch.randint(0, VOCAB, (3, N))
+    tokens = torch.randint(0, VOCAB, (3, BLOCK))
+    moved = hidden.clone()
+    moved[:, 0] += 1.0
+    assert torch.equal(refiner(hidden, tokens), refiner(moved, tokens)) == (form == "paper")
+
+
+def test_folded_equals_unfolded(form):
+    refiner = make_refiner(form=form)
+    hidden, _, _ = block_inputs()
+    tokens = torch.randint(0, VOCAB, (3, BLOCK))
     unfolded = refiner(hidden, tokens)
     folded = refiner.delta_folded(refiner.prepare(hidden), tokens)
     assert_fp32_close(folded, unfolded)
@@ -74,7 +100,7 @@ def test_folded_equals_unfolded():
 def test_folded_cache_follows_parameter_updates():
     refiner = make_refiner()
     hidden, _, _ = block_inputs()
-    tokens = torch.randint(0, VOCAB, (3, N))
+    tokens = torch.randint(0, VOCAB, (3, BLOCK))
     first = refiner.delta_folded(refiner.prepare(hidden), tokens)
     with torch.no_grad():
         refiner.mix.add_(0.5)  # in-place update, as an optimizer step does
@@ -84,22 +110,29 @@ def test_folded_cache_follows_parameter_updates():
     assert_fp32_close(second, refiner(hidden, tokens))
 
 
-def test_mix_ignores_upper_triangle_and_diagonal():
-    """Only the strictly-lower part of L may act: setting the rest to anything changes nothing."""
-    refiner = make_refiner()
+@pytest.mark.parametrize("form", FORMS)
+def test_mix_ignores_what_its_mask_leaves_out(form):
+    """Only L's lower triangle acts — with its diagonal in the release form, strictly below it in the paper's:
+    setting the rest to anything changes nothing, and the diagonal matters exactly where it is kept."""
+    refiner = make_refiner(form=form)
     hidden, _, _ = block_inputs()
-    tokens = torch.randint(0, VOCAB, (3, N))
+    tokens = torch.randint(0, VOCAB, (3, BLOCK))
     before = refiner(hidden, tokens)
+    slots = refiner.mix.shape[-1]
     with torch.no_grad():
-        refiner.mix.add_(torch.triu(torch.full((N, N), 5.0)))
+        refiner.mix.add_(torch.triu(torch.full((slots, slots), 5.0), diagonal=1))
     torch.testing.assert_close(refiner(hidden, tokens), before)
+    with torch.no_grad():
+        refiner.mix.add_(torch.eye(slots) * 5.0)
+    assert torch.equal(refiner(hidden, tokens), before) == (form == "paper")
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "fixed-noise"])
-def test_jacobi_reaches_sequential_decode_from_any_seed(sampling):
+def test_jacobi_reaches_sequential_decode_from_any_seed(sampling, form):
     """Theorem 1: after j iterations the first j positions equal the sequential decode, from any seed; the fixed
     point is reached in at most n iterations and is the sequential decode."""
-    refiner = make_refiner()
+    refiner = make_refiner(form=form)
     hidden, base, anchor = block_inputs(b=4)
     noise = gumbel_noise(base.shape, generator=torch.Generator().manual_seed(3)) if sampling else None
     transform = (lambda x: x / 0.7) if sampling else None
@@ -159,7 +192,7 @@ def test_refiner_adds_to_the_base_logits():
     # And with a non-zero readout, the logits are exactly base + δ at the last iteration's prefix.
     refiner = make_refiner()
     result = jacobi_refine(refiner, hidden, base, anchor, max_iters=N)
-    prev = torch.cat([anchor[:, None], result.tokens[:, :-1]], dim=1)
+    prev = torch.cat([anchor, result.tokens[:, :-1]], dim=1)
     assert_fp32_close(result.logits, base + refiner(hidden, prev))
 
 
@@ -173,9 +206,9 @@ def test_markov_head_serial_decode_matches_definition():
     with torch.no_grad():
         for p in model.refiner.parameters():
             p.normal_(std=1.0)
-    hidden, base, anchor = block_inputs()
-    result = model.refiner.decode(hidden, base, anchor)
-    previous = anchor
+    hidden, base, last = block_inputs()
+    result = model.refiner.decode(hidden, base, last)
+    previous = last[:, 1]
     for k in range(N):
         expected = (base[:, k] + model.refiner.bias(previous)).argmax(-1)
         assert torch.equal(result.tokens[:, k], expected)
@@ -192,7 +225,7 @@ def test_every_config_refiner_has_a_head_and_every_head_one_interface():
 
     assert set(HEADS) == set(REFINER_TYPES)
     hidden, base, anchor = block_inputs()
-    previous = torch.randint(0, VOCAB, (3, N), generator=torch.Generator().manual_seed(5))
+    previous = torch.randint(0, VOCAB, (3, BLOCK), generator=torch.Generator().manual_seed(5))
     for name in REFINER_TYPES:
         model = XPressModel(XPressConfig(
             vocab_size=VOCAB, target_hidden_size=HIDDEN, hidden_size=HIDDEN, num_target_layers=4, num_hidden_layers=1,
@@ -231,17 +264,17 @@ def test_decoding_the_first_drafts_only_gives_the_whole_blocks_first_drafts(refi
     xpress.eval()
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(3, 9, 64, generator=g)
-    anchor = torch.randint(0, 96, (3,), generator=g)
+    anchor = torch.randint(0, 96, (3, 2), generator=g)
     read = xpress.draft_logits if draft_vocabulary else xpress.base_logits
     whole_logits = read(hidden, lm_head)
     kwargs = {}
     noise = None
     if sampling:
         noise = gumbel_noise(whole_logits.shape, generator=g)
-        kwargs["logits_transform"] = processors_transform(sampling_processors(0.8, None, 0.95), anchor.view(-1, 1))
+        kwargs["logits_transform"] = processors_transform(sampling_processors(0.8, None, 0.95), anchor)
     settings = [{"early_exit": True}, {"early_exit": False}, {"max_iters": 2}]
     for setting in settings:
-        whole = xpress.refine(hidden[:, 1:], whole_logits, anchor, noise=noise, **kwargs, **setting)
+        whole = xpress.refine(hidden, whole_logits, anchor, noise=noise, **kwargs, **setting)
         if refiner != "none":
             assert len(set(whole.tokens[0].tolist())) > 2  # a real decode, not a constant block
         for m in (1, 3, 8):
@@ -249,16 +282,16 @@ def test_decoding_the_first_drafts_only_gives_the_whole_blocks_first_drafts(refi
             torch.testing.assert_close(read(hidden, lm_head, positions=m), whole_logits[:, :m])
             part_logits = whole_logits[:, :m]
             part_noise = None if noise is None else noise[:, :m]
-            part = xpress.refine(hidden[:, 1:], part_logits, anchor, noise=part_noise, **kwargs, **setting)
+            part = xpress.refine(hidden, part_logits, anchor, noise=part_noise, **kwargs, **setting)
             assert torch.equal(part.tokens, whole.tokens[:, :m])
             assert_fp32_close(part.logits, whole.logits[:, :m])  # products of another shape: the last bits differ
             if refiner == "xpress" and setting.get("max_iters") is None:  # both settle: counts stay within m
                 assert bool((part.iterations <= whole.iterations).all()) and bool((part.iterations <= m + 1).all())
     if refiner == "xpress" and not draft_vocabulary:
         transform = kwargs.get("logits_transform")
-        full = sequential_refine(xpress.refiner, hidden[:, 1:], whole_logits, anchor, logits_transform=transform,
+        full = sequential_refine(xpress.refiner, hidden, whole_logits, anchor, logits_transform=transform,
                                  noise=noise)  # fmt: skip
-        part = sequential_refine(xpress.refiner, hidden[:, 1:], whole_logits[:, :3], anchor,
+        part = sequential_refine(xpress.refiner, hidden, whole_logits[:, :3], anchor,
                                  logits_transform=transform, noise=None if noise is None else noise[:, :3])  # fmt: skip
         assert torch.equal(part.tokens, full.tokens[:, :3])
         assert_fp32_close(part.logits, full.logits[:, :3])

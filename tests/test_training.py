@@ -17,6 +17,7 @@ from transformers.utils import logging as hf_logging
 
 from modeling_xpress import XPressModel
 from modeling_xpress.training import (
+    PAPER_RECIPE,
     XPressDataCollator,
     XPressObjective,
     XPressTrainer,
@@ -90,12 +91,20 @@ def test_arguments_reject_bad_values_by_name(tmp_path, field, value):
     assert str(value) in str(error.value)
 
 
-def test_argument_defaults_follow_the_paper(tmp_path):
+def test_argument_defaults_are_the_authors_recipe(tmp_path):
     args = XPressTrainingArguments(output_dir=str(tmp_path), report_to=[])
-    assert (args.learning_rate, args.consistency_weight, args.anchor_weight_start, args.anchor_weight_floor) == (
-        6e-4, 0.3, 0.6, 0.2,
-    )  # fmt: skip
-    assert args.resolved_gamma(16) == 7.0 and not args.remove_unused_columns
+    defaults = {name: getattr(args, name) for name in PAPER_RECIPE}
+    assert defaults == {**PAPER_RECIPE, "loss_gamma": None}  # None: γ = 4 · B / 16, the authors' 4 at B = 16
+    assert PAPER_RECIPE == {
+        "train_mode": "full", "anchor_weight_start": 0.6, "anchor_weight_floor": 0.2, "consistency_rounds": 3,
+        "consistency_weight": 0.3, "l1_weight": 0.9, "ce_weight": 0.1, "loss_gamma": 4.0, "learning_rate": 6e-4,
+    }  # fmt: skip
+    assert args.resolved_gamma(16) == 4.0 and XPressTrainingArguments(
+        output_dir=str(tmp_path), report_to=[], loss_gamma=None
+    ).resolved_gamma(8) == 2.0  # fmt: skip
+    assert not args.remove_unused_columns
+    spelled = XPressTrainingArguments.paper_recipe(str(tmp_path), report_to=[], consistency_rounds=1)
+    assert spelled.consistency_rounds == 1 and spelled.l1_weight == 0.9
     assert anchor_weight(0, 100, 0.6, 0.2) == 0.6 and anchor_weight(100, 100, 0.6, 0.2) == pytest.approx(0.2)
     assert anchor_weight(50, 100, 0.6, 0.2) == pytest.approx(0.4)
     torch.testing.assert_close(position_weights(3, 7.0), torch.tensor([1.0, math.exp(-1 / 7), math.exp(-2 / 7)]))
@@ -214,10 +223,10 @@ def test_training_blocks_equal_the_blocks_drafted_at_decode_time():
         anchors = torch.tensor([[9, 21]])
         trained = model.base_logits(draft_blocks(model, embed, context, anchors, ids.gather(1, anchors))[0], lm_head)
         for j, t in enumerate(anchors[0].tolist()):
-            whole = draft_block(model, embed, lm_head, ids[:, t], context[:, :t], 0, DynamicCache()).logits
+            whole = draft_block(model, embed, lm_head, ids[:, t - 1 : t + 1], context[:, :t], 0, DynamicCache()).logits
             cache = DynamicCache()
-            draft_block(model, embed, lm_head, ids[:, 5], context[:, :5], 0, cache)  # an earlier block, then more
-            pieces = draft_block(model, embed, lm_head, ids[:, t], context[:, 5:t], 5, cache).logits
+            draft_block(model, embed, lm_head, ids[:, 4:6], context[:, :5], 0, cache)  # an earlier block, then more
+            pieces = draft_block(model, embed, lm_head, ids[:, t - 1 : t + 1], context[:, 5:t], 5, cache).logits
             torch.testing.assert_close(whole[0], trained[j], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(pieces[0], trained[j], rtol=1e-4, atol=1e-4)
 
@@ -227,12 +236,16 @@ def test_training_blocks_equal_the_blocks_drafted_at_decode_time():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def reference_losses(model, target, batch, gamma, ce_weight, l1_weight) -> dict[str, torch.Tensor]:
+def reference_losses(model, target, batch, gamma, ce_weight, l1_weight, rounds) -> dict[str, torch.Tensor]:
     """Each block run alone: its sequence through the target, the drafter on that block with only the context before
-    its anchor (no attention mask needed), then eq. (14) position by position with plain autograd."""
+    its anchor (no attention mask needed), then eq. (14) position by position with plain autograd. The head reads
+    every slot of the block, slot 0 the anchor's, with the previous tokens [token before the anchor, anchor, ...]:
+    the gold ones (teacher forcing), then `rounds` free-running rounds, each fed the argmax of the one before (the
+    first, the drafter's own), their losses averaged."""
     config = model.config
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    terms = {"base": [], "refined": [], "consistency": []}  # (w_k, α_ce·CE + α_l1·L1) per labelled position
+    names = ["base", "refined", *(f"round{r}" for r in range(rounds))]
+    terms = {name: [] for name in names}  # (w_k, α_ce·CE + α_l1·L1) per labelled position
     for i in range(batch["input_ids"].shape[0]):
         length = int(batch["attention_mask"][i].sum())
         ids = batch["input_ids"][i : i + 1, :length]
@@ -246,19 +259,24 @@ def reference_losses(model, target, batch, gamma, ce_weight, l1_weight) -> dict[
                 noise_embeds=model.embed_blocks(ids[:, t : t + 1], embed),
                 context_hidden_states=features[:, :t],
                 position_ids=torch.arange(t + BLOCK).unsqueeze(0),
-            ).last_hidden_state[:, 1:]
-            base = lm_head(hidden)[0]  # (n, V)
+            ).last_hidden_state  # (1, B, H): every slot, the anchor's first
+            base = lm_head(hidden[:, 1:])[0]  # (n, V)
             logits = {"base": base}
             if model.refiner.corrects:
+                before = ids[0, t - 1 : t]  # the token before the anchor
                 gold = ids[0, t : t + N]  # [anchor, x*_1..x*_{n-1}] (past the sequence end: unused filler)
-                gold = torch.cat([gold, torch.zeros(N - len(gold), dtype=torch.long)])
-                drafted = torch.cat([ids[0, t : t + 1], base.argmax(-1)[:-1]])
-                for name, previous in (("refined", gold), ("consistency", drafted)):
+                gold = torch.cat([before, gold, torch.zeros(N - len(gold), dtype=torch.long)])
+
+                def refined(previous):
                     if config.refiner == "markov":
-                        delta = model.refiner.bias(previous[None])  # the definition: a bias per previous token
-                    else:
-                        delta = model.refiner(hidden, previous[None])
-                    logits[name] = base + delta[0]
+                        return base + model.refiner.bias(previous[1:][None])[0]  # a bias per previous token
+                    return base + model.refiner(hidden, previous[None])[0]
+
+                logits["refined"] = refined(gold)
+                tokens = base.argmax(-1)
+                for r in range(rounds):
+                    logits[f"round{r}"] = refined(torch.cat([before, ids[0, t : t + 1], tokens[:-1]]))
+                    tokens = logits[f"round{r}"].argmax(-1)
             for k in range(1, BLOCK):
                 label = int(batch["labels"][i, j, k - 1])
                 if label == -100:
@@ -267,29 +285,35 @@ def reference_losses(model, target, batch, gamma, ce_weight, l1_weight) -> dict[
                     log_p = values[k - 1].log_softmax(-1)
                     l1 = (log_p.exp() - p_target[t + k - 1]).abs().sum()
                     terms[name].append((math.exp(-(k - 1) / gamma), ce_weight * -log_p[label] + l1_weight * l1))
-    return {
-        name: sum(w * value for w, value in rows) / sum(w for w, _ in rows) for name, rows in terms.items() if rows
-    }
+    losses = {name: sum(w * v for w, v in rows) / sum(w for w, _ in rows) for name, rows in terms.items() if rows}
+    if model.refiner.corrects and rounds:
+        losses["consistency"] = sum(losses.pop(f"round{r}") for r in range(rounds)) / rounds
+    return losses
 
 
-@pytest.mark.parametrize("refiner", ["xpress", "markov", "none"])
-def test_batched_loss_and_gradients_equal_block_by_block_reference(refiner):
+@pytest.mark.parametrize(
+    "refiner,rounds", [("xpress", 3), ("xpress", 1), ("xpress-paper", 2), ("markov", 2), ("none", 3)]
+)
+def test_batched_loss_and_gradients_equal_block_by_block_reference(refiner, rounds):
     torch.manual_seed(0)
     target = tiny_llama().requires_grad_(False)
-    model = tiny_xpress(target, refiner=refiner, block_size=BLOCK)
+    form = "paper" if refiner == "xpress-paper" else "release"
+    model = tiny_xpress(target, refiner=refiner.removesuffix("-paper"), block_size=BLOCK, refiner_form=form)
     rows = random_rows([30, 14, 40, 6], seed=1)
     batch = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=5, seed=0)(rows)
     assert batch["anchor_mask"].sum() >= 10 and not batch["anchor_mask"].all()  # padding slots are exercised
+    assert int(batch["anchors"][batch["anchor_mask"]].min()) >= 1  # every block has a token before its anchor
     gamma, ce_weight, l1_weight, consistency, lam = 3.0, 0.7, 1.3, 0.3, 0.45
     objective = XPressObjective(
-        model, target, gamma=gamma, ce_weight=ce_weight, l1_weight=l1_weight, consistency_weight=consistency
-    )
+        model, target, gamma=gamma, ce_weight=ce_weight, l1_weight=l1_weight, consistency_weight=consistency,
+        consistency_rounds=rounds,
+    )  # fmt: skip
     out = objective(**batch, anchor_weight=lam)
     out.loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
 
-    expected = reference_losses(model, target, batch, gamma, ce_weight, l1_weight)
+    expected = reference_losses(model, target, batch, gamma, ce_weight, l1_weight, rounds)
     got = {name.removeprefix("loss_"): value[0].item() for name, value in out.metrics.items() if name.startswith("loss_")}
     assert got.keys() == expected.keys()
     for name in expected:
@@ -297,12 +321,49 @@ def test_batched_loss_and_gradients_equal_block_by_block_reference(refiner):
     total = expected["base"]
     if refiner != "none":
         total = expected["refined"] + lam * expected["base"] + consistency * expected["consistency"]
+        if rounds > 1:  # the rounds really were fed different drafts: their average is not the first round's
+            first_only = reference_losses(model, target, batch, gamma, ce_weight, l1_weight, 1)["consistency"]
+            assert abs(first_only.item() - expected["consistency"].item()) > 1e-6
     assert out.loss.item() == pytest.approx(total.item(), rel=1e-5)
     total.backward()
     for name, p in model.named_parameters():
         scale = p.grad.abs().max().item()
         assert scale > 0, name  # every parameter is trained by the objective
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_consistency_round_k_is_fed_round_k_minus_1s_argmax():
+    """What each free-running round reads: round 1 the drafter's own argmax, round k the argmax of round k - 1's
+    refined logits (base + δ), always after the two known tokens (the one before the anchor, the anchor)."""
+    torch.manual_seed(0)
+    target = tiny_llama().requires_grad_(False)
+    model = tiny_xpress(target, block_size=BLOCK)
+    batch = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=3, seed=0)(random_rows([30, 24], seed=2))
+    calls = []  # (hidden, previous, δ) of every head call: teacher forcing first, then the rounds
+    forward = model.refiner.forward
+
+    def recording(hidden, previous):
+        delta = forward(hidden, previous)
+        calls.append((hidden.detach(), previous.detach().clone(), delta.detach()))
+        return delta
+
+    model.refiner.forward = recording
+    XPressObjective(model, target, gamma=4.0, consistency_rounds=3)(**batch)
+    assert len(calls) == 4
+    mask = batch["anchor_mask"]
+    anchors = torch.gather(batch["input_ids"], 1, batch["anchors"])[mask]
+    before = torch.gather(batch["input_ids"], 1, batch["anchors"] - 1)[mask]
+    hidden = calls[0][0]
+    base = model.draft_logits(hidden, target.get_output_embeddings()).detach()
+    fed = base.argmax(-1)  # what round 1 reads: the drafter's own drafts
+    changed = 0
+    for _, previous, delta in calls[1:]:
+        assert torch.equal(previous[:, 0], before) and torch.equal(previous[:, 1], anchors)
+        assert torch.equal(previous[:, 2:], fed[:, :-1])
+        next_fed = (base + delta).argmax(-1)
+        changed += int((next_fed != fed).sum())
+        fed = next_fed
+    assert changed > 0  # the rounds read different drafts, so the test would see a round fed the wrong ones
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -72,9 +72,9 @@ def test_keep_path_leaves_the_cache_of_the_accepted_path(target):
 
 def drafter_outputs(xpress, seed: int):
     g = torch.Generator().manual_seed(seed)
-    n = xpress.config.block_size - 1
-    hidden = torch.randn(1, n, xpress.config.hidden_size, generator=g)
-    return hidden, torch.randn(1, n, VOCAB, generator=g) * 3
+    block = xpress.config.block_size
+    hidden = torch.randn(1, block, xpress.config.hidden_size, generator=g)  # every slot, the anchor's first
+    return hidden, torch.randn(1, block - 1, VOCAB, generator=g) * 3
 
 
 @pytest.mark.parametrize("refiner", ["xpress", "markov"])
@@ -83,8 +83,9 @@ def test_children_are_conditioned_on_their_own_path(target, refiner):
     child's distribution is the head's correction for its own parent path."""
     xpress = tiny_xpress(target, refiner=refiner, block_size=8)
     hidden, base = drafter_outputs(xpress, seed=5)
-    tree = build_tree(xpress, hidden, base, anchor=7, budget=40)
-    reference = sequential_refine(xpress.refiner, hidden, base, torch.tensor([7])).tokens[0].tolist()
+    last = torch.tensor([[3, 7]])  # the token before the anchor, the anchor
+    tree = build_tree(xpress, hidden, base, last, budget=40)
+    reference = sequential_refine(xpress.refiner, hidden, base, last).tokens[0].tolist()
     node, chain = -1, []
     while True:
         kids = [j for j in range(len(tree)) if int(tree.parents[j]) == node]
@@ -97,7 +98,7 @@ def test_children_are_conditioned_on_their_own_path(target, refiner):
         node = match[0]
         chain.append(best)
     assert len(chain) >= 3 and chain == reference[: len(chain)]
-    off = build_tree(xpress, hidden, base, anchor=7, budget=40, use_head=False)
+    off = build_tree(xpress, hidden, base, last, budget=40, use_head=False)
     for j in range(len(off)):  # head off: every node chosen from the drafter's marginals at its depth
         torch.testing.assert_close(off.logits[j], base[0, int(off.depths[j]) - 1])
     assert not all(torch.equal(tree.logits[j], base[0, int(tree.depths[j]) - 1]) for j in range(len(tree)))
@@ -114,16 +115,19 @@ def test_greedy_tree_decoding_is_the_targets_greedy_output(target, budget):
     cache = DynamicCache(config=target.config)
     target(input_ids=prompt[:, :-1], cache=cache)
     committed, anchor, out, accepted_counts = prompt.shape[1] - 1, int(prompt[0, -1]), [], []
+    before = int(prompt[0, -2])
     while len(out) < 30:
         n = xpress.config.block_size - 1
         base = torch.randn(1, n, VOCAB, generator=g)
         for k, token in enumerate(expected[len(out) : len(out) + n]):  # the truth, often but not always on top
             base[0, k, token] += 3.0 if torch.rand(1, generator=g) < 0.7 else -3.0
-        tree = build_tree(xpress, torch.zeros(1, n, xpress.config.hidden_size), base, anchor, budget)
+        tree = build_tree(xpress, torch.zeros(1, n + 1, xpress.config.hidden_size), base,
+                          torch.tensor([[before, anchor]]), budget)  # fmt: skip
         logits = verify_tree(target, cache, anchor, tree).logits[0]
         accepted, bonus = accept_tree_greedy(tree, logits)
         keep_path(cache, len(tree) + 1, accepted)
         out += tree.tokens[accepted].tolist() + [bonus]
+        before = int(tree.tokens[accepted[-1]]) if accepted else anchor
         committed, anchor = committed + 1 + len(accepted), bonus
         accepted_counts.append(len(accepted))
     assert out[:30] == expected

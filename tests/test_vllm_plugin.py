@@ -169,6 +169,37 @@ def test_greedy_output_is_vllm_plains_at_batch_1_and_8(vllm_python, prompts_file
     assert 0 < dynamic["T=0 batch=8"]["drafts"] < dynamic["T=0 batch=8"]["new_tokens"][0] / 4
 
 
+def test_a_release_serving_folder_serves_greedy_identical(vllm_python, prompts_file, target_dir, tmp_path):
+    """An xPress release serving folder (the authors' format, `Qwen3XPressModel`: a dFlash config and `xpress_head.*`
+    tensors, here written by `write_xpress_release` for a random QK-norm drafter with a random head) serves through
+    the plugin without conversion: its head is loaded (not zeros) and runs, and greedy output is vLLM plain's."""
+    import torch
+    from transformers import AutoConfig
+
+    from modeling_xpress import XPressConfig, XPressModel
+    from modeling_xpress.conversion import write_xpress_release
+
+    torch.manual_seed(0)
+    config = XPressConfig.from_target_config(
+        AutoConfig.from_pretrained(target_dir), num_hidden_layers=1, mask_token_id=0, target_layer_ids=[1, 27],
+        qk_norm=True, refiner_rank=32, refiner_mlp_hidden=48,
+    )  # fmt: skip
+    xpress = XPressModel(config)
+    with torch.no_grad():
+        for p in xpress.refiner.parameters():
+            p.normal_(std=0.05)
+    folder = write_xpress_release(xpress, tmp_path / "release")
+    settings = ("--batches", "1", "4", "--temperatures", "0", "--k", "3", "--max-tokens", "24")
+    plain = run_engine(vllm_python, "plain", prompts_file, tmp_path / "plain.json", target_dir, *settings)
+    served = run_engine(vllm_python, "xpress", prompts_file, tmp_path / "release.json", target_dir, *settings,
+                        checkpoint=folder)  # fmt: skip
+    assert served["drafter"]["model"] == "XPressDFlashForCausalLM" and served["drafter"]["head"] == "XPressRefiner"
+    assert served["drafter"]["head_sum"] > 0
+    for setting in ("T=0 batch=1", "T=0 batch=4"):
+        assert served[setting]["outputs"][0] == plain[setting]["outputs"][0], setting
+        assert served[setting]["drafts"] > 0
+
+
 def test_sampling_accepts_drafts_with_the_heads_q(vllm_python, prompts_file, target_dir, tmp_path):
     """T=1 with probabilistic drafts: vLLM's rejection sampler is handed each draft's q (refine_proposals, tested
     against XPressModel.refine in test_vllm_refine.py). Without the plugin's CPU fix (xpress_vllm/fixes.py) vLLM

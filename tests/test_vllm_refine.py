@@ -19,17 +19,17 @@ def make_blocks(refiner: str, draft_vocab_size: int | None, batch: int = 3, seed
     if draft_vocab_size:
         xpress.set_draft_vocabulary(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:draft_vocab_size])
     g = torch.Generator().manual_seed(seed)
-    n = xpress.config.num_draft_tokens
-    hidden = torch.randn(batch, n, xpress.config.hidden_size, generator=g)
-    anchors = torch.randint(0, VOCAB, (batch,), generator=g)
-    return target, xpress, hidden, anchors
+    hidden = torch.randn(batch, xpress.config.block_size, xpress.config.hidden_size, generator=g)  # anchor slot first
+    last = torch.randint(0, VOCAB, (batch, 2), generator=g)  # the token before the anchor, the anchor
+    return target, xpress, hidden, last
 
 
-def reference(xpress, target, hidden, anchor, k, temperature=None, noise=None):
-    """`XPressModel.refine` on one request's block of k draft positions (the drafter states vLLM gives the head)."""
-    base = xpress.draft_logits(torch.cat([hidden[:, :1], hidden[:, :k]], dim=1), target.lm_head)  # (1, k, V_d)
+def reference(xpress, target, hidden, last, k, temperature=None, noise=None):
+    """`XPressModel.refine` on one request's block of k + 1 slots (the anchor's and k draft positions: what vLLM
+    drafts for k speculative tokens)."""
+    base = xpress.draft_logits(hidden[:, : k + 1], target.lm_head)  # (1, k, V_d)
     transform = None if temperature is None else (lambda logits: logits / temperature)
-    return xpress.refine(hidden[:, :k], base, anchor, logits_transform=transform, noise=noise)
+    return xpress.refine(hidden[:, : k + 1], base, last, logits_transform=transform, noise=noise)
 
 
 @pytest.mark.parametrize("refiner", ["xpress", "markov", "none"])
@@ -37,8 +37,8 @@ def reference(xpress, target, hidden, anchor, k, temperature=None, noise=None):
 @pytest.mark.parametrize("k", [3, 7])
 def test_greedy_proposals_equal_refine(refiner, draft_vocab_size, k):
     target, xpress, hidden, anchors = make_blocks(refiner, draft_vocab_size)
-    base = torch.stack([xpress.draft_logits(torch.cat([h[None, :1], h[None, :k]], 1), target.lm_head)[0] for h in hidden])
-    tokens, probs = refine_proposals(xpress.refiner, xpress.config, hidden[:, :k], base, anchors, xpress.draft_token_ids)
+    base = xpress.draft_logits(hidden[:, : k + 1], target.lm_head)
+    tokens, probs = refine_proposals(xpress.refiner, xpress.config, hidden[:, : k + 1], base, anchors, xpress.draft_token_ids)
     assert probs is None
     for i in range(hidden.shape[0]):
         expected = reference(xpress, target, hidden[i : i + 1], anchors[i : i + 1], k)
@@ -51,10 +51,10 @@ def test_sampled_proposals_carry_the_q_they_were_drawn_from(refiner):
     noise, and q is softmax of the processed refined logits over the target vocabulary (0 outside the draft one)."""
     k = 5
     target, xpress, hidden, anchors = make_blocks(refiner, draft_vocab_size=40, batch=3)
-    base = torch.stack([xpress.draft_logits(torch.cat([h[None, :1], h[None, :k]], 1), target.lm_head)[0] for h in hidden])
+    base = xpress.draft_logits(hidden[:, : k + 1], target.lm_head)
     temperature = torch.tensor([1.0, 0.6, 0.0])
     noise = torch.empty(base.shape).exponential_().log_().neg_()  # standard Gumbel
-    tokens, probs = refine_proposals(xpress.refiner, xpress.config, hidden[:, :k], base, anchors, xpress.draft_token_ids,
+    tokens, probs = refine_proposals(xpress.refiner, xpress.config, hidden[:, : k + 1], base, anchors, xpress.draft_token_ids,
                                      temperature, noise=noise)  # fmt: skip
     assert probs.shape == (3, k, VOCAB)
     torch.testing.assert_close(probs.sum(-1), torch.ones(3, k))
@@ -75,12 +75,12 @@ def test_sampled_proposals_carry_the_q_they_were_drawn_from(refiner):
 def test_head_switched_off_is_the_drafter_marginals():
     k = 4
     target, xpress, hidden, anchors = make_blocks("xpress", draft_vocab_size=40)
-    base = torch.stack([xpress.draft_logits(torch.cat([h[None, :1], h[None, :k]], 1), target.lm_head)[0] for h in hidden])
+    base = xpress.draft_logits(hidden[:, : k + 1], target.lm_head)
     xpress.config.jacobi_max_iters = 0
-    tokens, _ = refine_proposals(xpress.refiner, xpress.config, hidden[:, :k], base, anchors, xpress.draft_token_ids)
+    tokens, _ = refine_proposals(xpress.refiner, xpress.config, hidden[:, : k + 1], base, anchors, xpress.draft_token_ids)
     assert torch.equal(tokens, xpress.draft_token_ids[base.argmax(-1)])
     xpress.config.jacobi_max_iters = 4
-    refined, _ = refine_proposals(xpress.refiner, xpress.config, hidden[:, :k], base, anchors, xpress.draft_token_ids)
+    refined, _ = refine_proposals(xpress.refiner, xpress.config, hidden[:, : k + 1], base, anchors, xpress.draft_token_ids)
     assert not torch.equal(refined, tokens)  # the random head does change drafts: the switch is observable
 
 

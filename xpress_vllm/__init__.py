@@ -47,9 +47,9 @@ def register() -> None:
         AutoConfig.register("xpress", XPressVLLMConfig)
     except ValueError:  # already registered in this process
         pass
-    # vLLM checks the checkpoint's architecture ("XPressModel") when it reads the draft config, then builds the
-    # class it names "DFlash" + that architecture. Both lead to the same drafter class.
-    for arch in ("XPressModel", "DFlashXPressModel"):
+    # vLLM checks the checkpoint's architecture ("XPressModel", or a release folder's "Qwen3XPressModel") when it
+    # reads the draft config, then builds the class it names "DFlash" + that architecture. All lead to one class.
+    for arch in ("XPressModel", "DFlashXPressModel", "Qwen3XPressModel", "DFlashQwen3XPressModel"):
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, "xpress_vllm.model:XPressDFlashForCausalLM")
     if not vllm_version_supported(vllm.__version__):

@@ -10,8 +10,13 @@
 * **The correction head** (`config.refiner`), applied to every proposal by `draft`, which `proposer` calls in place
   of vLLM's per-position sampling.
 
-The checkpoint is read as saved by `XPressModel.save_pretrained`; nothing is converted on disk.
+The checkpoint is read as saved by `XPressModel.save_pretrained`, or as the xPress authors' release serving folders
+are (`Qwen3XPressModel`: a dFlash config and `xpress_head.*` tensors, `modeling_xpress.conversion`); nothing is
+converted on disk.
 """
+
+import json
+from pathlib import Path
 
 from collections.abc import Iterable
 
@@ -23,6 +28,7 @@ from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
 
 from modeling_xpress.configuration_xpress import XPressConfig
+from modeling_xpress.conversion import RELEASE_HEAD_PREFIX, is_release_config, release_config_to_xpress, release_head_state
 from modeling_xpress.heads import HEADS
 from modeling_xpress.modeling_xpress import check_draft_token_ids
 from modeling_xpress.refinement import scatter_vocabulary
@@ -69,8 +75,20 @@ class XPressDFlashModel(DFlashQwen3Model):
         return torch.where(is_mask.unsqueeze(-1), self.mask_embedding.to(embeds.dtype), embeds)
 
 
+def xpress_config(model: str, revision: str | None) -> XPressConfig:
+    """The `XPressConfig` of a draft checkpoint (a folder or Hub id): an xPress folder's own, or the one a release
+    serving folder's dFlash config and `xpress_*` fields describe."""
+    from transformers.utils import cached_file
+
+    raw = json.loads(Path(cached_file(model, "config.json", revision=revision)).read_text())
+    if is_release_config(raw):
+        return release_config_to_xpress(raw)
+    return XPressConfig.from_pretrained(model, revision=revision)
+
+
 class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
-    """vLLM's dFlash drafter class for an xPress checkpoint (architecture `XPressModel`)."""
+    """vLLM's dFlash drafter class for an xPress checkpoint (architecture `XPressModel`, or a release's
+    `Qwen3XPressModel`)."""
 
     model_cls = XPressDFlashModel
 
@@ -83,7 +101,7 @@ class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
             )
         spec = vllm_config.speculative_config
         source = spec.draft_model_config
-        config = XPressConfig.from_pretrained(source.model, revision=source.revision)
+        config = xpress_config(source.model, source.revision)
         config.check_target(vllm_config.model_config.hf_config)
         if max(config.target_layer_ids) >= config.num_target_layers - 1:
             raise ValueError(
@@ -111,10 +129,12 @@ class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
         return None  # an xPress checkpoint stores its mask vector in model.safetensors (`load_weights`)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        head, drafter, mask_vector, vocabulary = {}, [], None, None
+        head, release, drafter, mask_vector, vocabulary = {}, {}, [], None, None
         for name, tensor in weights:
             if name.startswith("refiner."):
                 head[name.removeprefix("refiner.")] = tensor
+            elif name.startswith(RELEASE_HEAD_PREFIX):  # a release folder's head, in the authors' names
+                release[name] = tensor
             elif name == "draft_token_ids":
                 vocabulary = tensor
             elif name == "mask_embedding":
@@ -134,6 +154,8 @@ class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
                 raise ValueError("The checkpoint has draft_vocab_size set but stores no draft_token_ids")
             check_draft_token_ids(vocabulary, self.xpress_config.draft_vocab_size, self.xpress_config.vocab_size)
             self.draft_token_ids.copy_(vocabulary.to(self.draft_token_ids.device))
+        if release:
+            head.update({k.removeprefix("refiner."): v for k, v in release_head_state(release).items()})
         self.refiner.load_state_dict(head, strict=True)
         super().load_weights(drafter)
 
@@ -155,11 +177,19 @@ class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
         return scatter_vocabulary(self.draft_logits(hidden_states), self.draft_token_ids, self.xpress_config.vocab_size,
                                   fill=float("-inf"))  # fmt: skip
 
-    def draft(self, hidden: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor | None):
-        """Each request's proposal from its K drafter states (b, K, H) and anchor (b,): `refine.refine_proposals`."""
-        b, k, width = hidden.shape
-        base = self.draft_logits(hidden.reshape(b * k, width)).view(b, k, -1)
-        return refine_proposals(self.refiner, self.xpress_config, hidden, base, anchors, self.draft_token_ids,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None):
+        """vLLM's drafter forward; its output, every query slot's state (the anchor's included), is kept for `draft`:
+        vLLM hands the proposer's token choice the draft slots' states only, and the head reads the anchor's too."""
+        out = super().forward(input_ids, positions, inputs_embeds)
+        self.query_hidden_states = out
+        return out
+
+    def draft(self, hidden: torch.Tensor, last_tokens: torch.Tensor, temperature: torch.Tensor | None):
+        """Each request's proposal from its block's drafter states (b, K + 1, H), the anchor's first, and its last two
+        committed tokens (b, 2), the token before the anchor and the anchor: `refine.refine_proposals`."""
+        b, slots, width = hidden.shape
+        base = self.draft_logits(hidden[:, 1:].reshape(b * (slots - 1), width)).view(b, slots - 1, -1)
+        return refine_proposals(self.refiner, self.xpress_config, hidden, base, last_tokens, self.draft_token_ids,
                                 temperature)  # fmt: skip
 
 

@@ -37,6 +37,11 @@ class XPressDFlashProposer(DFlashProposer):
         if ours and num_speculative_tokens:  # this step's drafts read (and write) its requests' blocks: context first
             blocks = common_attn_metadata.block_table_tensor[: common_attn_metadata.num_reqs]
             self._write_context(self._deferred_context().take(blocks))
+            # The token before each request's anchor (its last verified token), which the head reads first.
+            last = common_attn_metadata.query_start_loc[1 : common_attn_metadata.num_reqs + 1] - 1
+            if num_rejected_tokens_gpu is not None:
+                last = last - num_rejected_tokens_gpu[: common_attn_metadata.num_reqs]
+            self._before_anchor = target_token_ids[last.long()]
         if num_speculative_tokens or not ours:
             return super().propose(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                                    next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
@@ -83,11 +88,14 @@ class XPressDFlashProposer(DFlashProposer):
             return super()._sample_draft_tokens(hidden_states, sampling_metadata)
         k = self.num_speculative_tokens
         b = hidden_states.shape[0] // k
-        # The first pass wrote each request's queries as [anchor, mask × K], request after request.
+        # The first pass wrote each request's queries as [anchor, mask × K], request after request; the model kept
+        # every query slot's state (`XPressDFlashForCausalLM.forward`), `hidden_states` being the mask slots' only.
         anchors = self.input_ids[: b * (k + 1)].view(b, k + 1)[:, 0].long()
+        block = model.query_hidden_states[: b * (k + 1)].view(b, k + 1, -1)
+        last_tokens = torch.stack([self._before_anchor[:b].long(), anchors], dim=1)
         sampled = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
         temperature = sampling_metadata.temperature if sampled else None
-        tokens, probs = model.draft(hidden_states.view(b, k, -1), anchors, temperature)
+        tokens, probs = model.draft(block, last_tokens, temperature)
         return tokens.reshape(-1), None if probs is None else probs.view(b * k, -1)
 
 

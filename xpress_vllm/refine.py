@@ -13,13 +13,14 @@ SAMPLING_EPS = 1e-5
 
 
 @torch.no_grad()
-def refine_proposals(head, config: XPressConfig, hidden: torch.Tensor, base: torch.Tensor, anchors: torch.Tensor,
+def refine_proposals(head, config: XPressConfig, hidden: torch.Tensor, base: torch.Tensor, last_tokens: torch.Tensor,
                      token_ids: torch.Tensor | None, temperature: torch.Tensor | None = None,
                      noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """One proposal per request, decoded by the checkpoint's head.
 
-    hidden: (b, K, H) drafter states of each request's K draft positions; base: (b, K, V_d) drafter logits over the
-    draft vocabulary `token_ids` (the whole vocabulary when None); anchors: (b,) each request's last committed token;
+    hidden: (b, K + 1, H) drafter states of each request's block, the anchor's slot first; base: (b, K, V_d) drafter
+    logits of its K draft positions over the draft vocabulary `token_ids` (the whole vocabulary when None);
+    last_tokens: (b, 2) each request's last two committed tokens, the one before the anchor and the anchor;
     temperature: (b,) per request when vLLM samples drafts (`draft_sample_method="probabilistic"`), else None
     (greedy); noise: (b, K, V_d) Gumbel noise (drawn here when None). Returns draft token ids (b, K) and, when
     sampling, q (b, K, V) over the target vocabulary: q_k = softmax((s_k + δ_k(y_<k)) / T), the distribution y_k was
@@ -43,7 +44,7 @@ def refine_proposals(head, config: XPressConfig, hidden: torch.Tensor, base: tor
     else:
         noise = None
     head_dtype = next((p.dtype for p in head.parameters()), hidden.dtype)
-    result = decode_block(head, hidden.to(head_dtype), base.float(), anchors, logits_transform=transform, noise=noise,
+    result = decode_block(head, hidden.to(head_dtype), base.float(), last_tokens, logits_transform=transform, noise=noise,
                           max_iters=config.jacobi_max_iters, early_exit=config.jacobi_early_exit,
                           token_ids=token_ids)  # fmt: skip
     if temperature is None:

@@ -16,6 +16,9 @@ from transformers.modeling_rope_utils import RopeParameters
 
 # Heads a config can name; `modeling_xpress.HEADS` maps each to its class.
 REFINER_TYPES = ("xpress", "markov", "none")
+# The function the xPress head computes (`refiner_form`): "release", the authors' released code and checkpoints, or
+# "paper", the equations (5)-(9) of arXiv 2608.02438 as printed (`heads.XPressRefiner` says where they differ).
+REFINER_FORMS = ("release", "paper")
 # RoPE base of a config that does not name one (Qwen3's).
 DEFAULT_ROPE_THETA = 1_000_000.0
 # Whether a target family's attention RMS-normalises each query/key head before RoPE (Qwen3's QK-norm), by the
@@ -29,7 +32,8 @@ _INTEGER_FIELDS = (
     "vocab_size", "target_hidden_size", "num_target_layers", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "block_size", "refiner_rank",
     "jacobi_max_iters",
-)  # fmt: skip
+)
+_OPTIONAL_INTEGER_FIELDS = ("refiner_mlp_hidden",)  # fmt: skip
 
 
 def is_integer(value) -> bool:
@@ -205,6 +209,15 @@ class XPressConfig(PreTrainedConfig):
     refiner: str = "xpress"
     # Low-rank width r of the refiner / Markov head.
     refiner_rank: int = 256
+    # Which function the xPress head computes (`REFINER_FORMS`). "release" (the authors' code and checkpoints): over all
+    # `block_size` slots of a block, slot 0 the anchor (its drafter state; its previous token the one before the
+    # anchor; its output not a draft), a mixer that keeps its diagonal and a SwiGLU Trans without biases. "paper":
+    # eqs. (5)-(9) as printed, over the `block_size - 1` draft positions, a strictly lower-triangular mixer and a
+    # two-layer MLP with biases (the head of checkpoints saved before this field existed).
+    refiner_form: str = "release"
+    # Hidden width of the xPress head's Trans MLP. None → 2 · refiner_rank (the authors' mlp_ratio of 2: 512 at r = 256).
+    # The "paper" form's MLP is always r → 2r → r.
+    refiner_mlp_hidden: int | None = None
     # Maximum Jacobi iterations K per block. 0 → no refiner pass: the xPress (or Markov) head drafts the drafter's own
     # marginals (exactly what refiner="none" drafts, same loop and same draft-length rule), so its contribution can be
     # measured by switching it off. The Markov head's serial decode is the same for every K ≥ 1.
@@ -253,8 +266,22 @@ class XPressConfig(PreTrainedConfig):
         for name in _INTEGER_FIELDS:
             if not is_integer(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in _OPTIONAL_INTEGER_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (not is_integer(value) or value < 1):
+                raise ValueError(f"{name} must be None or a positive integer, got {value!r}")
         if self.refiner not in REFINER_TYPES:
             raise ValueError(f"refiner must be one of {REFINER_TYPES}, got {self.refiner!r}")
+        if self.refiner_form not in REFINER_FORMS:
+            raise ValueError(
+                f"refiner_form must be one of {REFINER_FORMS} (\"release\": the authors' released head, \"paper\": "
+                f"the paper's printed equations), got {self.refiner_form!r}"
+            )
+        if self.refiner_form == "paper" and self.refiner_mlp_hidden not in (None, 2 * self.refiner_rank):
+            raise ValueError(
+                f"refiner_mlp_hidden={self.refiner_mlp_hidden}: the \"paper\" form's MLP is r -> 2r -> r "
+                f"({2 * self.refiner_rank}); leave it None, or use refiner_form=\"release\""
+            )
         if not isinstance(self.qk_norm, bool):
             raise ValueError(f"qk_norm must be True or False, got {self.qk_norm!r}")
         if self.block_size < 2:
@@ -321,6 +348,11 @@ class XPressConfig(PreTrainedConfig):
                 f"mask_token_id={self.mask_token_id} is outside the target vocabulary (0..{self.vocab_size - 1}); "
                 "pass None to let the drafter learn its own mask vector"
             )
+
+    @property
+    def refiner_mlp_width(self) -> int:
+        """The xPress head's Trans hidden width: `refiner_mlp_hidden`, or 2 · refiner_rank when it is None."""
+        return self.refiner_mlp_hidden or 2 * self.refiner_rank
 
     @property
     def num_draft_tokens(self) -> int:

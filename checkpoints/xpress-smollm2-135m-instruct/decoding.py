@@ -20,7 +20,7 @@ from .compiled import CompiledGenerationStats, check_compilable
 from .compiled_loop import compiled_steps
 from .configuration_xpress import is_integer
 from .draft_cap import DraftLengthRule, choose_draft_shape, draft_length, draft_length_rule, resolve_draft_cap
-from .drafting import draft_block, run_drafter, target_features
+from .drafting import draft_block, last_tokens, run_drafter, target_features
 from .layout_policy import decoder_policy
 from .policy import LinearPolicy, check_linear_layout
 from .processors import (
@@ -212,7 +212,7 @@ class EagerSteps:
         context = features[:, :count].to(self.xpress.device)
         if self.tree_nodes is None:
             return draft_block(
-                self.xpress, self.embed_tokens, self.lm_head, sequence[0, -1:], context, context_len, self.draft_cache,
+                self.xpress, self.embed_tokens, self.lm_head, last_tokens(sequence), context, context_len, self.draft_cache,
                 logits_transform=transform, do_sample=self.do_sample, generator=generator, stats=stats, timer=timer,
                 draft_space=self.draft_space,
                 positions=self.cap,  # the cap, not the step's budget: as compile=True draws
@@ -222,7 +222,7 @@ class EagerSteps:
                                    context_len, self.draft_cache, draft_space=self.draft_space, positions=depth,
                                    policy=self.policy, stats=stats, timer=timer)  # fmt: skip
         t0 = timer.mark()
-        tree = build_tree(self.xpress, hidden[:, 1:], base, int(sequence[0, -1]), self.tree_nodes, max_depth=depth,
+        tree = build_tree(self.xpress, hidden, base, last_tokens(sequence), self.tree_nodes, max_depth=depth,
                           logits_transform=transform, generator=generator, do_sample=self.do_sample)  # fmt: skip
         stats.record("refiner", t0, timer.mark())
         return tree

@@ -20,7 +20,7 @@ from transformers.generation.candidate_generator import CandidateGenerator, DFla
 
 from .decoding import check_assistant_call
 from .draft_cap import draft_length, draft_length_rule, resolve_draft_cap
-from .drafting import draft_block, target_features
+from .drafting import draft_block, last_tokens, target_features
 from .layout_policy import decoder_policy
 from .processors import processors_transform, vocabulary_local
 from .stats import SectionTimer, XPressGenerationStats
@@ -143,7 +143,7 @@ class XPressCandidateGenerator(CandidateGenerator):
             self.xpress,
             self.embed_tokens,
             self.lm_head,
-            input_ids[0, -1:],
+            last_tokens(input_ids),
             features.to(self.xpress.device),
             self.context_len,
             self.cache,

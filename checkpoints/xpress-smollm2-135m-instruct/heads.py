@@ -26,10 +26,15 @@ class Readout(nn.Linear):
 class CorrectionHead(nn.Module):
     """What every correction head offers the drafter (`config.refiner` picks one from `HEADS`).
 
-    * `forward(hidden, previous)` → δ (b, n, V): the correction of the drafter's logits given its hidden states
-      h_1..h_n (b, n, H) and the previous tokens x_0..x_{n-1} (b, n) — teacher-forced, as training uses it;
-    * `decode(hidden, base_logits, anchor_ids, ...)` → `RefinementResult`: one block's draft tokens and the
-      distribution each was drawn from, however the head resolves its causal dependency;
+    A head reads a block's drafter states over its slots, slot 0 the anchor's and slots 1..n the draft positions',
+    and the block's previous tokens `[x_-1, x_0, x_1..x_{n-1}]`: the token before the anchor, the anchor, then the
+    drafts (slot j's previous token is entry j). It returns δ for the draft positions only.
+
+    * `forward(hidden, previous)` → δ (b, n, V): hidden (b, n + 1, H) all slots, previous (b, n + 1) — teacher-forced,
+      as training uses it;
+    * `decode(hidden, base_logits, last_tokens, ...)` → `RefinementResult`: one block's draft tokens and the
+      distribution each was drawn from, however the head resolves its causal dependency; `last_tokens` (b, 2) are
+      the block's committed tokens `[x_-1, x_0]`;
     * `init_fresh()`: the state of the head's own tensors before training (its `Readout` starts at zero, so a fresh
       head adds δ = 0).
 
@@ -46,15 +51,15 @@ class CorrectionHead(nn.Module):
         pass
 
     def path_deltas(self, hidden: torch.Tensor):
-        """For draft trees: a function of paths (b, d + 1) of previous tokens x_0..x_d (target ids; x_0 the anchor)
-        → δ_d (b, V) of the position after each path, the head reading that path alone. hidden (1, n, H): the block's
-        drafter states, shared by every path. This reference runs the teacher-forced forward; heads override it with
-        their cheaper form."""
+        """For draft trees: a function of paths (b, d + 2) of previous tokens `[x_-1, x_0, x_1..x_d]` (target ids;
+        x_-1 the token before the anchor, x_0 the anchor) → δ (b, V) of draft position d + 1, the head reading that
+        path alone. hidden (1, n + 1, H): the block's drafter states, shared by every path. This reference runs the
+        teacher-forced forward; heads override it with their cheaper form."""
 
         def deltas(paths: torch.Tensor) -> torch.Tensor:
-            depth = paths.shape[1] - 1
+            depth = paths.shape[1] - 2
             previous = paths.new_zeros(paths.shape[0], hidden.shape[1])  # positions past the path are never read
-            previous[:, : depth + 1] = paths
+            previous[:, : depth + 2] = paths
             return self(hidden.expand(paths.shape[0], -1, -1), previous)[:, depth]
 
         return deltas
@@ -63,7 +68,7 @@ class CorrectionHead(nn.Module):
         self,
         hidden: torch.Tensor,
         base_logits: torch.Tensor,
-        anchor_ids: torch.Tensor,
+        last_tokens: torch.Tensor,
         *,
         to_vocabulary=None,
         logits_transform=None,
@@ -72,7 +77,7 @@ class CorrectionHead(nn.Module):
         early_exit: bool = True,
         token_ids: torch.Tensor | None = None,
     ) -> RefinementResult:
-        """`base_logits` (b, n, V) are over the whole vocabulary; `to_vocabulary` maps the head's δ from its readout
+        """`base_logits` (b, m, V) are over the whole vocabulary; `to_vocabulary` maps the head's δ from its readout
         (the draft vocabulary) onto it (None: the readout already is the whole vocabulary). With `token_ids` (the
         draft vocabulary's target ids) `base_logits` and `noise` are over the draft vocabulary instead, like δ
         (`refinement` module docstring); tokens come back as target ids either way."""
@@ -84,23 +89,36 @@ class FoldedRefiner:
     """Inference form of the refiner's linear front end (paper §4.1, "Low overhead").
 
     Fuse and Mix are linear, so `W_in` is folded into the token table and the two hidden projections, and the
-    per-channel mixers into one `(r, n, n)` operator `I + L`. The token-independent part of `c` is computed once per
-    block (`prepare`); each Jacobi iteration then costs one table lookup and one r-space mix.
+    per-channel mixers into one `(r, s, s)` operator `I + L ⊙ mask` over the head's s slots. The token-independent
+    part of `c` is computed once per block (`prepare`); each Jacobi iteration then costs one table lookup and one
+    r-space mix.
     """
 
     token_table: torch.Tensor  # (V, r) = W_e W_in[:, 2r:]^T
     hidden_weight: torch.Tensor  # (r, H) = W_in[:, :r] W_h
     global_weight: torch.Tensor  # (r, H) = W_in[:, r:2r] W_g
-    mix: torch.Tensor  # (r, n, n) = I + strictly-lower L
+    mix: torch.Tensor  # (r, s, s) = I + L ⊙ mask
 
 
 class XPressRefiner(CorrectionHead):
-    """The causal refiner R_θ of paper eqs. (5)–(9): δ_k depends on tokens only through x_{<k}.
+    """The xPress causal refiner R_θ: δ_k depends on tokens only through x_{<k}.
 
-    Fuse  a_k = W_in [W_h h_k ‖ W_g g ‖ W_e[x_{k-1}]]
-    Mix   c^(d) = (I + L^(d)) a^(d),  L^(d) strictly lower-triangular over the n block positions
-    Trans z_k = c_k + W_2 σ(W_1 c_k)
-    Read  δ_k = W_r z_k   (added to the drafter's logits, never replacing them)
+    Fuse  a_j = W_in [W_h h_j ‖ W_g g ‖ W_e[x_{j-1}]]      (g the mean of the h_j over the head's slots)
+    Mix   c^(d) = (I + L^(d) ⊙ mask) a^(d)                  (per channel d, over the head's slots)
+    Trans z_j = c_j + MLP(c_j)
+    Read  δ_j = W_r z_j   (added to the drafter's logits, never replacing them)
+
+    `config.refiner_form` says which function (the Jacobi solver, the training and every route are the same for both):
+
+    * "release", the authors' code and checkpoints: the head runs over all B slots of a block. Slot 0 is the anchor,
+      with the anchor's drafter state, the token before the anchor as its previous token, and an output that is no
+      draft; g is the mean over all B slots. The mask is lower-triangular with its diagonal (L starts at zero, so the
+      mixer starts as the identity), and the MLP is SwiGLU without biases, `down(silu(gate c) · up c)`, of width
+      `config.refiner_mlp_width`.
+    * "paper", eqs. (5)-(9) as printed: over the B - 1 draft positions only (g their mean), a strictly
+      lower-triangular mask, and the MLP `W_2 σ(W_1 c)` (r → 2r → r, with biases).
+
+    Tensor names are this package's; `conversion.release_head_state` maps them to the release's `xpress_head.*`.
     """
 
     iterative = True
@@ -108,53 +126,76 @@ class XPressRefiner(CorrectionHead):
 
     def __init__(self, config: XPressConfig):
         super().__init__()
-        n, r = config.num_draft_tokens, config.refiner_rank
-        self.hidden_proj = nn.Linear(config.hidden_size, r, bias=False)  # W_h
-        self.global_proj = nn.Linear(config.hidden_size, r, bias=False)  # W_g
-        self.token_embed = nn.Embedding(config.vocab_size, r)  # W_e
-        self.fuse = nn.Linear(3 * r, r, bias=False)  # W_in
-        self.mix = nn.Parameter(torch.zeros(r, n, n))  # L; only the strictly-lower triangle is ever used
-        self.up = nn.Linear(r, 2 * r)  # W_1
-        self.down = nn.Linear(2 * r, r)  # W_2
+        r = config.refiner_rank
+        self.release = config.refiner_form == "release"
+        # Slots the head runs over, and how many of them precede the first draft position (the anchor's slot).
+        self.offset = 1 if self.release else 0
+        slots = config.num_draft_tokens + self.offset
+        self.hidden_proj = nn.Linear(config.hidden_size, r, bias=False)  # W_h (release: down_h)
+        self.global_proj = nn.Linear(config.hidden_size, r, bias=False)  # W_g (down_g)
+        self.token_embed = nn.Embedding(config.vocab_size, r)  # W_e (w1)
+        self.fuse = nn.Linear(3 * r, r, bias=False)  # W_in (in_proj)
+        self.mix = nn.Parameter(torch.zeros(r, slots, slots))  # L (mix.L); only its masked triangle is ever used
+        if self.release:  # SwiGLU Trans (mlp.gate_proj / up_proj / down_proj)
+            width = config.refiner_mlp_width
+            self.gate = nn.Linear(r, width, bias=False)
+            self.up = nn.Linear(r, width, bias=False)
+            self.down = nn.Linear(width, r, bias=False)
+        else:  # W_1, W_2 with biases
+            self.gate = None
+            self.up = nn.Linear(r, 2 * r)
+            self.down = nn.Linear(2 * r, r)
         self.act = nn.SiLU()  # σ
-        self.readout = Readout(r, config.draft_vocab_size or config.vocab_size)  # W_r, over the draft vocabulary
-        self.register_buffer("causal_mask", torch.tril(torch.ones(n, n), diagonal=-1), persistent=False)
+        self.readout = Readout(r, config.draft_vocab_size or config.vocab_size)  # W_r (w2), over the draft vocabulary
+        self.register_buffer("causal_mask", self._mask(slots), persistent=False)
         self._folded: FoldedRefiner | None = None
         self._folded_key: tuple | None = None
 
+    def _mask(self, slots: int) -> torch.Tensor:
+        return torch.tril(torch.ones(slots, slots), diagonal=0 if self.release else -1)
+
     def init_fresh(self) -> None:
         init.zeros_(self.mix)
-        n = self.causal_mask.shape[0]
-        init.copy_(self.causal_mask, torch.tril(torch.ones(n, n), diagonal=-1))
+        init.copy_(self.causal_mask, self._mask(self.causal_mask.shape[0]))
 
-    def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
+    def decode(self, hidden, base_logits, last_tokens, *, to_vocabulary=None, logits_transform=None, noise=None,
                max_iters, early_exit=True, token_ids=None):  # fmt: skip
         """Jacobi refinement (Algorithm 1) with the folded operators: K parallel passes instead of n serial ones."""
         return jacobi_refine(
-            self, hidden, base_logits, anchor_ids, to_vocabulary=to_vocabulary, logits_transform=logits_transform,
+            self, hidden, base_logits, last_tokens, to_vocabulary=to_vocabulary, logits_transform=logits_transform,
             noise=noise, max_iters=max_iters, early_exit=early_exit, token_ids=token_ids,
         )  # fmt: skip
 
     def mix_operator(self) -> torch.Tensor:
-        """(r, n, n) operator I + L with L masked to its strictly-lower triangle."""
+        """(r, s, s) operator I + L ⊙ mask over the head's s slots."""
         eye = torch.eye(self.causal_mask.shape[0], device=self.mix.device, dtype=self.mix.dtype)
         return eye + self.mix * self.causal_mask.to(self.mix.dtype)
 
     def trans_read(self, c: torch.Tensor) -> torch.Tensor:
-        """Trans + Read: (..., n, r) → δ (..., n, V)."""
-        z = c + self.down(self.act(self.up(c)))
+        """Trans + Read: (..., s, r) → δ (..., s, V)."""
+        if self.gate is not None:
+            z = c + self.down(self.act(self.gate(c)) * self.up(c))
+        else:
+            z = c + self.down(self.act(self.up(c)))
         return self.readout(z)
 
-    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def slots(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafter states the head reads: (b, p, H) over a block's p slots (anchor first) → (b, p - 1 + offset, H)."""
+        return hidden if self.release else hidden[:, 1:]
+
+    def forward(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """Reference (unfolded) path used in training.
 
-        hidden: (b, n, H) drafter hidden states h_1..h_n; tokens: (b, n) previous tokens x_0..x_{n-1}.
-        Returns δ: (b, n, V).
+        hidden: (b, p, H) drafter states of a block's p slots (anchor first); previous: (b, p) previous tokens
+        `[x_-1, x_0, x_1..x_{p-2}]`. Returns δ (b, p - 1, V) of the p - 1 draft positions.
         """
-        g = hidden.mean(dim=1, keepdim=True).expand_as(hidden)  # block-global summary, (b, n, H)
-        a = self.fuse(torch.cat([self.hidden_proj(hidden), self.global_proj(g), self.token_embed(tokens)], dim=-1))
-        c = torch.einsum("dkj,bjd->bkd", self.mix_operator(), a)  # (b, n, r)
-        return self.trans_read(c)
+        h = self.slots(hidden)
+        tokens = previous[:, 1 - self.offset :]  # (b, s): the previous token of each of the head's slots
+        g = h.mean(dim=1, keepdim=True).expand_as(h)  # block-global summary, (b, s, H)
+        a = self.fuse(torch.cat([self.hidden_proj(h), self.global_proj(g), self.token_embed(tokens)], dim=-1))
+        s = h.shape[1]
+        c = torch.einsum("dkj,bjd->bkd", self.mix_operator()[:, :s, :s], a)  # (b, s, r)
+        return self.trans_read(c[:, self.offset :])
 
     # --- folded inference path -----------------------------------------------------------------------------------
 
@@ -175,36 +216,42 @@ class XPressRefiner(CorrectionHead):
             self._folded_key = key
         return self._folded
 
-    def prepare(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Token-independent part of c for a block, mixed: (b, p, H) → (b, p, r). Computed once per block. A drafter
-        block shorter than the head's n positions (p < n, as vLLM drafts K + 1 slots) uses the mix's first p rows."""
-        f = self.folded()
-        p = hidden.shape[1]
-        g = hidden.mean(dim=1, keepdim=True)
-        a_hidden = hidden @ f.hidden_weight.T + g @ f.global_weight.T  # (b, p, r)
-        return torch.einsum("dkj,bjd->bkd", f.mix[:, :p, :p], a_hidden)
+    def prepare(self, hidden: torch.Tensor, folded: FoldedRefiner | None = None) -> torch.Tensor:
+        """Token-independent part of c for a block, mixed: hidden (b, p, H) over its p slots → (b, s, r) over the
+        head's slots. Computed once per block. A block of fewer slots than the head was trained on (vLLM drafts
+        K + 1) uses the mix's first rows. `folded`: `self.folded()` computed by the caller (a compiled graph cannot
+        consult its cache)."""
+        f = folded or self.folded()
+        h = self.slots(hidden)
+        s = h.shape[1]
+        g = h.mean(dim=1, keepdim=True)
+        a_hidden = h @ f.hidden_weight.T + g @ f.global_weight.T  # (b, s, r)
+        return torch.einsum("dkj,bjd->bkd", f.mix[:, :s, :s], a_hidden)
 
     def path_deltas(self, hidden: torch.Tensor):
         """`CorrectionHead.path_deltas` with the folded operators: the block's token-independent part once, then per
         path one table lookup, one r-space mix of its tokens and the readout of its last position."""
-        prepared = self.prepare(hidden)  # (1, n, r)
+        prepared = self.prepare(hidden)  # (1, s, r)
 
         def deltas(paths: torch.Tensor) -> torch.Tensor:
-            depth = paths.shape[1] - 1
+            depth = paths.shape[1] - 2
             return self.delta_folded(prepared.expand(paths.shape[0], -1, -1), paths, start=depth)[:, 0]
 
         return deltas
 
-    def delta_folded(self, prepared: torch.Tensor, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """δ for one Jacobi iteration from `prepare(hidden)` and the current previous tokens (b, n).
+    def delta_folded(self, prepared: torch.Tensor, previous: torch.Tensor, start: int = 0,
+                     folded: FoldedRefiner | None = None) -> torch.Tensor:  # fmt: skip
+        """δ for one Jacobi iteration from `prepare(hidden)` and the previous tokens `[x_-1, x_0, y_1..y_{m-1}]`
+        (b, m + 1) of m draft positions.
 
-        Only positions `start..m-1` are computed, (b, m - start, V), for the tokens' m ≤ n positions: by causality a
-        position whose prefix did not change keeps its δ, so Jacobi recomputes just the tail after the first token
-        that moved, and positions past m never enter.
+        Only draft positions `start..m-1` (0-based) are computed, (b, m - start, V): by causality a position whose
+        prefix did not change keeps its δ, so Jacobi recomputes just the tail after the first token that moved, and
+        positions past m never enter.
         """
-        f = self.folded()
-        m = tokens.shape[1]  # `prepared` may cover only the first m positions (a block decoded in part)
-        c = prepared[:, start:m] + torch.einsum("dkj,bjd->bkd", f.mix[:, start:m, :m], f.token_table[tokens])
+        f = folded or self.folded()
+        tokens = previous[:, 1 - self.offset :]  # the previous token of each of the head's first m + offset slots
+        rows, cols = slice(start + self.offset, tokens.shape[1]), tokens.shape[1]
+        c = prepared[:, rows] + torch.einsum("dkj,bjd->bkd", f.mix[:, rows, :cols], f.token_table[tokens])
         return self.trans_read(c)
 
 
@@ -226,17 +273,17 @@ class MarkovHead(CorrectionHead):
         return self.readout(self.token_embed(tokens))
 
     def forward(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-        """δ (b, n, V) from the previous tokens alone (the hidden states are not read)."""
-        return self.bias(previous)
+        """δ (b, p - 1, V) of the draft positions from their previous tokens alone (the hidden states are not read)."""
+        return self.bias(previous[:, 1:])
 
     def path_deltas(self, hidden: torch.Tensor):
         """`CorrectionHead.path_deltas`: the bias of each path's last token."""
         return lambda paths: self.bias(paths[:, -1])
 
-    def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
+    def decode(self, hidden, base_logits, last_tokens, *, to_vocabulary=None, logits_transform=None, noise=None,
                max_iters=0, early_exit=True, token_ids=None):  # fmt: skip
         """The serial decode: n dependent steps, whatever `max_iters` ≥ 1 says (`refine` never calls it with 0)."""
-        return sequential_refine(self, hidden, base_logits, anchor_ids, to_vocabulary=to_vocabulary,
+        return sequential_refine(self, hidden, base_logits, last_tokens, to_vocabulary=to_vocabulary,
                                  logits_transform=logits_transform, noise=noise, token_ids=token_ids)  # fmt: skip
 
 
@@ -251,20 +298,21 @@ class NoHead(CorrectionHead):
         self.vocab_size = config.vocab_size
 
     def forward(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-        return hidden.new_zeros(*previous.shape, self.vocab_size)
+        return hidden.new_zeros(previous.shape[0], previous.shape[1] - 1, self.vocab_size)
 
-    def decode(self, hidden, base_logits, anchor_ids, *, to_vocabulary=None, logits_transform=None, noise=None,
+    def decode(self, hidden, base_logits, last_tokens, *, to_vocabulary=None, logits_transform=None, noise=None,
                max_iters=0, early_exit=True, token_ids=None):  # fmt: skip
         return plain_decode(base_logits, logits_transform=logits_transform, noise=noise, token_ids=token_ids)
 
 
-def decode_block(head: CorrectionHead, hidden, base_logits, anchor_ids, *, max_iters: int, early_exit: bool = True,
+def decode_block(head: CorrectionHead, hidden, base_logits, last_tokens, *, max_iters: int, early_exit: bool = True,
                  to_vocabulary=None, logits_transform=None, noise=None, token_ids=None) -> RefinementResult:  # fmt: skip
     """One block through `head`'s decode, or with `max_iters=0` through none (every head switched off the same way:
-    the drafter's own marginals). The dispatch `XPressModel.refine` and the vLLM plugin share."""
+    the drafter's own marginals). The dispatch `XPressModel.refine` and the vLLM plugin share. hidden (b, p, H): the
+    block's slots, anchor first; last_tokens (b, 2): the token before the anchor and the anchor."""
     if max_iters == 0:
         return plain_decode(base_logits, logits_transform=logits_transform, noise=noise, token_ids=token_ids)
-    return head.decode(hidden, base_logits, anchor_ids, to_vocabulary=to_vocabulary,
+    return head.decode(hidden, base_logits, last_tokens, to_vocabulary=to_vocabulary,
                        logits_transform=logits_transform, noise=noise, max_iters=max_iters, early_exit=early_exit,
                        token_ids=token_ids)  # fmt: skip
 

@@ -52,9 +52,11 @@ def decode(logits: torch.Tensor, transform: LogitsTransform | None, noise: torch
     return processed, scores.argmax(dim=-1)
 
 
-def previous_tokens(anchor_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The head's token inputs x_0..x_{n-1} = [anchor, y_1..y_{n-1}] for block tokens y_1..y_n: (b,), (b, n) → (b, n)."""
-    return torch.cat([anchor_ids.view(-1, 1), tokens[:, :-1]], dim=1)
+def previous_tokens(last_tokens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The head's token inputs `[x_-1, x_0, y_1..y_{m-1}]` for a block's draft tokens y_1..y_m: the block's last two
+    committed tokens (b, 2) (the token before the anchor, the anchor) and the drafts (b, m) → (b, m + 1). Entry j is
+    the previous token of the block's slot j (slot 0 the anchor's, slot k ≥ 1 draft position k)."""
+    return torch.cat([last_tokens.view(-1, 2), tokens[:, :-1]], dim=1)
 
 
 def target_ids(tokens: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
@@ -77,7 +79,7 @@ def jacobi_refine(
     refiner,
     hidden: torch.Tensor,
     base_logits: torch.Tensor,
-    anchor_ids: torch.Tensor,
+    last_tokens: torch.Tensor,
     *,
     max_iters: int,
     early_exit: bool = True,
@@ -98,8 +100,11 @@ def jacobi_refine(
 
     `max_iters=0` is the drafter's own marginals: the seed decode, no refiner pass, `iterations` 0 — exactly what
     `plain_decode` (`refiner="none"`) drafts, so switching the head off measures its contribution in the same loop.
+
+    hidden (b, p, H): the block's drafter states, anchor slot first; base_logits (b, n, V): its first n ≤ p - 1 draft
+    positions (`XPressModel.refine`); last_tokens (b, 2): the token before the anchor and the anchor.
     """
-    b, n = base_logits.shape[:2]  # n ≤ hidden's positions: only the first n are decoded (`XPressModel.refine`)
+    b, n = base_logits.shape[:2]
     if max_iters < 0:
         raise ValueError(f"max_iters must be >= 0 (0 = the drafter's own marginals), got {max_iters}")
     if max_iters == 0:
@@ -107,7 +112,7 @@ def jacobi_refine(
             raise ValueError("init_tokens needs max_iters >= 1: with max_iters=0 the drafter's own decode is returned")
         return plain_decode(base_logits, logits_transform=logits_transform, noise=noise, token_ids=token_ids)
     to_vocabulary = to_vocabulary or _identity
-    prepared = refiner.prepare(hidden)[:, :n]  # token-independent part, once per block (its summary reads all of it)
+    prepared = refiner.prepare(hidden)  # token-independent part, once per block (its summary reads every slot)
     processed, tokens = decode(base_logits, logits_transform, noise)  # seed Y^0 from the drafter's marginals
     if init_tokens is not None:
         tokens = init_tokens
@@ -115,7 +120,7 @@ def jacobi_refine(
     settled = torch.zeros(b, dtype=torch.bool, device=tokens.device)
     start = 0  # positions before `start` saw no prefix change in the last iteration: their logits stand
     for _ in range(max_iters):
-        previous = previous_tokens(anchor_ids, target_ids(tokens, token_ids))
+        previous = previous_tokens(last_tokens, target_ids(tokens, token_ids))  # (b, n + 1)
         delta = to_vocabulary(refiner.delta_folded(prepared, previous, start=start))  # (b, n - start, V)
         tail_noise = None if noise is None else noise[:, start:]
         tail_logits, tail_tokens = decode(base_logits[:, start:] + delta, logits_transform, tail_noise)
@@ -139,7 +144,7 @@ def sequential_refine(
     refiner,
     hidden: torch.Tensor,
     base_logits: torch.Tensor,
-    anchor_ids: torch.Tensor,
+    last_tokens: torch.Tensor,
     *,
     to_vocabulary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     logits_transform: LogitsTransform | None = None,
@@ -149,14 +154,14 @@ def sequential_refine(
     """Left-to-right decode: y_k from the unfolded head given the already decoded y_{<k}, n dependent head passes.
 
     The tests' reference for Jacobi (Theorem 1), and the Markov head's own decode (its δ reads only the previous
-    token, so nothing parallel pays). As there, `base_logits` may cover only the first n of hidden's positions."""
+    token, so nothing parallel pays). As there, `base_logits` may cover only the first n of hidden's draft positions."""
     to_vocabulary = to_vocabulary or _identity
     b, n, v = base_logits.shape
-    tokens = torch.zeros(hidden.shape[:2], dtype=torch.long, device=base_logits.device)  # later ones never read
+    tokens = torch.zeros(b, hidden.shape[1] - 1, dtype=torch.long, device=base_logits.device)  # later ones unread
     logits = torch.empty(b, n, v, dtype=torch.float32, device=base_logits.device)
     for k in range(n):
         # Positions > k are ignored by causality; slices stay 3-D (b, 1, V) because a logits transform takes blocks.
-        previous = previous_tokens(anchor_ids, target_ids(tokens, token_ids))
+        previous = previous_tokens(last_tokens, target_ids(tokens, token_ids))
         delta = to_vocabulary(refiner(hidden, previous)[:, k : k + 1])
         step_noise = None if noise is None else noise[:, k : k + 1]
         step_logits, step_tokens = decode(base_logits[:, k : k + 1] + delta, logits_transform, step_noise)

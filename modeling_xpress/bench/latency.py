@@ -23,9 +23,9 @@ from .settings import BenchmarkSettings, sweep_settings
 class CapturedBlock:
     """What `refine` received for one real drafted block."""
 
-    hidden: torch.Tensor  # (1, n, H) drafter states of the draft positions
+    hidden: torch.Tensor  # (1, B, H) drafter states of the block's slots, the anchor's first
     base_logits: torch.Tensor  # (1, n, V)
-    anchor_ids: torch.Tensor  # (1,)
+    last_tokens: torch.Tensor  # (1, 2) the token before the anchor, the anchor
 
 
 class _EnoughBlocks(Exception):
@@ -39,11 +39,11 @@ def recording_refine_inputs(model, limit: int) -> Iterator[list[CapturedBlock]]:
     captured: list[CapturedBlock] = []
     original = model.refine
 
-    def recording(hidden, base_logits, anchor_ids, **kwargs):
-        captured.append(CapturedBlock(hidden.detach().clone(), base_logits.detach().clone(), anchor_ids.clone()))
+    def recording(hidden, base_logits, last_tokens, **kwargs):
+        captured.append(CapturedBlock(hidden.detach().clone(), base_logits.detach().clone(), last_tokens.clone()))
         if len(captured) >= limit:
             raise _EnoughBlocks
-        return original(hidden, base_logits, anchor_ids, **kwargs)
+        return original(hidden, base_logits, last_tokens, **kwargs)
 
     model.refine = recording
     try:
@@ -65,7 +65,7 @@ def capture_blocks(target, model, prompts: Sequence[torch.Tensor], num_blocks: i
 
 
 def _refine_call(model, block: CapturedBlock, max_iters: int | None, early_exit: bool | None) -> Callable[[], object]:
-    return lambda: model.refine(block.hidden, block.base_logits, block.anchor_ids, max_iters=max_iters,
+    return lambda: model.refine(block.hidden, block.base_logits, block.last_tokens, max_iters=max_iters,
                                 early_exit=early_exit)  # fmt: skip
 
 

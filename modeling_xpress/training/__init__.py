@@ -27,6 +27,7 @@ import importlib
 # name -> the module of this package that defines it
 _EXPORTS = {
     "XPressTrainingArguments": "arguments",
+    "PAPER_RECIPE": "arguments",
     "XPressDataCollator": "collator",
     "DistributionLoss": "loss",
     "DraftTargets": "loss",

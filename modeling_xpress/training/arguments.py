@@ -11,6 +11,22 @@ from ..configuration_xpress import is_integer
 
 
 TRAIN_MODES = ("refiner", "full", "lora")
+# The authors' recipe (their released run, `xpress-s1-b16warm-sgu-consis-k3`: the drafter warm-started from dFlash and
+# co-trained with the head, its own loss weight falling 0.6 → 0.2; three free-running Jacobi consistency rounds,
+# averaged, weight 0.3; 0.9 · L1 + 0.1 · CE per position with decay γ = 4; AdamW at 6e-4). These are also the
+# defaults of `XPressTrainingArguments`; `XPressTrainingArguments.paper_recipe(...)` spells them out. Their head:
+# r = 256, MLP hidden 512 (`XPressConfig.refiner_rank`, `refiner_mlp_hidden`).
+PAPER_RECIPE = {
+    "train_mode": "full",
+    "anchor_weight_start": 0.6,
+    "anchor_weight_floor": 0.2,
+    "consistency_rounds": 3,
+    "consistency_weight": 0.3,
+    "l1_weight": 0.9,
+    "ce_weight": 0.1,
+    "loss_gamma": 4.0,
+    "learning_rate": 6e-4,
+}
 # Drafter modules LoRA adapts by default: every attention and MLP projection of its decoder layers (not `fc`, the
 # context projection, and never the refiner, which is trained in full).
 DEFAULT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -26,27 +42,32 @@ def check_int(name: str, value, minimum: int | None = None) -> None:
 
 @dataclass
 class XPressTrainingArguments(TrainingArguments):
-    """`TrainingArguments` plus the xPress objective (paper §4.3). Defaults follow the paper.
+    """`TrainingArguments` plus the xPress objective (paper §4.3). Defaults are the authors' recipe (`PAPER_RECIPE`).
 
     The per-distribution loss is `L(p) = Σ_k w_k [ce_weight · CE_k + l1_weight · ‖p_k − p^t_k‖₁] / Σ_k w_k` over valid
     block positions, with `w_k = exp(−(k−1)/γ)`; the total is `L(p^r) + w_anchor · L(p^b) + consistency_weight ·
-    L(p̂^r)` where `w_anchor` falls linearly from `anchor_weight_start` to `anchor_weight_floor` over the run.
+    mean_i L(p̂^r_i)` over `consistency_rounds` free-running rounds, where `w_anchor` falls linearly from
+    `anchor_weight_start` to `anchor_weight_floor` over the run.
     """
 
     # Random block anchors drawn per sequence (fewer when the response is shorter). Each anchor is one block of
     # `block_size - 1` supervised positions, so a batch holds up to batch_size × anchors_per_sequence blocks.
     anchors_per_sequence: int = field(default=8, metadata={"help": "Random block anchors sampled per sequence."})
-    # γ of the position weights w_k = exp(−(k−1)/γ). None → 7 · block_size / 16 (the paper's γ = 7 at B = 16, scaled
-    # so the weights decay over the same fraction of any block).
+    # γ of the position weights w_k = exp(−(k−1)/γ). None → 4 · block_size / 16 (the authors' γ = 4 at B = 16, scaled
+    # so the weights decay over the same fraction of any block; the paper's text says 7).
     loss_gamma: float | None = field(
-        default=None, metadata={"help": "Position-weight decay γ; None → 7 · block_size / 16."}
+        default=None, metadata={"help": "Position-weight decay γ; None → 4 · block_size / 16."}
     )
     # α_ce: weight of the teacher-forced cross-entropy against the data token.
-    ce_weight: float = field(default=1.0, metadata={"help": "Weight α_ce of the cross-entropy term."})
+    ce_weight: float = field(default=0.1, metadata={"help": "Weight α_ce of the cross-entropy term."})
     # α_l1: weight of ‖p − p^t‖₁ = 2 · (1 − acceptance rate) against the target's distribution.
-    l1_weight: float = field(default=1.0, metadata={"help": "Weight α_l1 of the L1 (total-variation) term."})
-    # β: weight of the consistency loss L(p̂^r), the refiner fed the drafter's own argmax tokens (what Jacobi sees).
-    consistency_weight: float = field(default=0.3, metadata={"help": "Weight of the consistency term L(p̂^r)."})
+    l1_weight: float = field(default=0.9, metadata={"help": "Weight α_l1 of the L1 (total-variation) term."})
+    # β: weight of the consistency loss, the mean of L(p̂^r_i) over the rounds below.
+    consistency_weight: float = field(default=0.3, metadata={"help": "Weight of the consistency term."})
+    # Free-running Jacobi rounds of the consistency term: round 1 feeds the head the drafter's own argmax (Jacobi's
+    # seed), round i the argmax of round i − 1 (what Jacobi's i-th iteration sees); their losses are averaged. 0: no
+    # consistency term; 1: the paper's single p̂^r.
+    consistency_rounds: int = field(default=3, metadata={"help": "Free-running Jacobi rounds of the consistency term."})
     # λ: weight of the drafter-anchor loss L(p^b) at the first step …
     anchor_weight_start: float = field(default=0.6, metadata={"help": "Drafter-anchor weight at the first step."})
     # … annealed linearly to this value at the last step.
@@ -83,6 +104,7 @@ class XPressTrainingArguments(TrainingArguments):
     def validate_xpress(self) -> None:
         """Raise a `ValueError` naming the first xPress field whose value cannot work."""
         check_int("anchors_per_sequence", self.anchors_per_sequence, 1)
+        check_int("consistency_rounds", self.consistency_rounds, 0)
         if self.loss_gamma is not None and not self.loss_gamma > 0:
             raise ValueError(f"loss_gamma must be > 0 (or None for 7 · block_size / 16), got {self.loss_gamma}")
         for name in ("ce_weight", "l1_weight", "consistency_weight", "anchor_weight_start", "anchor_weight_floor"):
@@ -113,5 +135,11 @@ class XPressTrainingArguments(TrainingArguments):
             raise ValueError("gradient_checkpointing=True is not supported: the xPress drafter has no checkpointing")
 
     def resolved_gamma(self, block_size: int) -> float:
-        """γ for a drafter with `block_size`: `loss_gamma`, or 7 · block_size / 16 when it is None."""
-        return self.loss_gamma if self.loss_gamma is not None else 7.0 * block_size / 16
+        """γ for a drafter with `block_size`: `loss_gamma`, or 4 · block_size / 16 when it is None."""
+        return self.loss_gamma if self.loss_gamma is not None else 4.0 * block_size / 16
+
+    @classmethod
+    def paper_recipe(cls, output_dir: str, **overrides) -> "XPressTrainingArguments":
+        """Arguments with the authors' recipe (`PAPER_RECIPE`) spelled out, any of it (and any other field)
+        overridden by keyword."""
+        return cls(output_dir=output_dir, **{**PAPER_RECIPE, **overrides})

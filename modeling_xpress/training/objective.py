@@ -1,5 +1,6 @@
 """The training objective of one batch: `XPressObjective` composes the block layout, the frozen target's signals and the
-per-distribution loss (`loss.py`) into `L(p^r) + w_anchor · L(p^b) + w_cons · L(p̂^r)` (paper §4.3).
+per-distribution loss (`loss.py`) into `L(p^r) + w_anchor · L(p^b) + w_cons · mean_k L(p̂^r_k)` (paper §4.3; k over
+the consistency rounds, the authors' recipe runs three).
 
 Read top to bottom: block layout (`block_position_ids`, `block_attention_mask`, `draft_blocks`: every block of the
 batch in one drafter forward, as inference sees it), the frozen target's signals (`target_signals`), then
@@ -141,6 +142,7 @@ class XPressObjective(nn.Module):
         ce_weight: float = XPressTrainingArguments.ce_weight,  # the objective's defaults are the arguments' defaults
         l1_weight: float = XPressTrainingArguments.l1_weight,
         consistency_weight: float = XPressTrainingArguments.consistency_weight,
+        consistency_rounds: int = XPressTrainingArguments.consistency_rounds,
     ):
         super().__init__()
         self.xpress = xpress
@@ -149,6 +151,7 @@ class XPressObjective(nn.Module):
         self.ce_weight = ce_weight
         self.l1_weight = l1_weight
         self.consistency_weight = consistency_weight
+        self.consistency_rounds = consistency_rounds
 
     @property
     def core(self) -> XPressModel:
@@ -196,12 +199,16 @@ class XPressObjective(nn.Module):
             )  # fmt: skip
             context = signals.context
         anchor_ids = torch.gather(input_ids, 1, anchors)  # (b, m)
+        before_ids = torch.gather(input_ids, 1, (anchors - 1).clamp(min=0))  # (b, m) the token before each anchor
         # A frozen drafter (train_mode="refiner") runs without a graph: nothing upstream of the head needs gradients.
         with torch.set_grad_enabled(torch.is_grad_enabled() and self._drafter_trainable()):
             hidden = draft_blocks(core, embed_tokens, context, anchors, anchor_ids)[anchor_mask]  # (N, B, H)
-        anchor_ids, labels = anchor_ids[anchor_mask], labels[anchor_mask]  # (N,), (N, n)
-        # Every distribution lives on the draft vocabulary (the whole one by default): s and δ are (N, n, V_d).
-        base = core.draft_logits(hidden.to(lm_head.weight.dtype), lm_head)
+        last = torch.stack([before_ids, anchor_ids], dim=-1)[anchor_mask]  # (N, 2)
+        labels = labels[anchor_mask]  # (N, n)
+        # Every distribution lives on the draft vocabulary (the whole one by default): s and δ are (N, n, V_d). The
+        # head reads every slot of a block (the anchor's first); the drafter's readout only the draft positions.
+        hidden = hidden.to(lm_head.weight.dtype)
+        base = core.draft_logits(hidden, lm_head)
         if cached:
             targets = top_k_draft_targets(
                 teacher_ids[anchor_mask], teacher_probs[anchor_mask].float(), teacher_tail[anchor_mask].float(), labels,
@@ -209,27 +216,36 @@ class XPressObjective(nn.Module):
             )  # fmt: skip
         else:
             targets = restrict_to_draft_vocabulary(signals.probs, labels, core.draft_token_ids)
-        hidden = hidden[:, 1:]  # draft positions 1..n, (N, n, H), what the head reads
         weights = position_weights(config.num_draft_tokens, self.gamma, device=base.device)
+
+        def as_target_ids(tokens: torch.Tensor) -> torch.Tensor:
+            return tokens if core.draft_token_ids is None else core.draft_token_ids[tokens]
 
         terms: dict[str, DistributionLoss] = {"base": self._loss(base, targets, weights)}
         if not core.refiner.corrects:  # dFlash's own objective: the drafter's distribution is the draft distribution
             loss, main = terms["base"].loss, "base"
         else:
-            # p^r: teacher forcing, the head sees the gold previous tokens [anchor, x*_1..x*_{n-1}]. Ignored labels
-            # only ever feed ignored positions (validity is a prefix), so their placeholder ids do not matter.
-            gold = previous_tokens(anchor_ids, labels.clamp(min=0))
+            # p^r: teacher forcing, the head sees the gold previous tokens [x_-1, anchor, x*_1..x*_{n-1}]. Ignored
+            # labels only ever feed ignored positions (validity is a prefix), so their placeholder ids do not matter.
+            gold = previous_tokens(last, labels.clamp(min=0))
             terms["refined"] = self._loss(base + core.refiner(hidden, gold), targets, weights)
-            # p̂^r: the head fed the drafter's own argmax (as target ids), the seed Jacobi refinement starts from.
-            seed = base.detach().argmax(dim=-1)
-            drafted = previous_tokens(anchor_ids, seed if core.draft_token_ids is None else core.draft_token_ids[seed])
-            terms["consistency"] = self._loss(base + core.refiner(hidden, drafted), targets, weights)
-            loss = (
-                terms["refined"].loss
-                + anchor_weight * terms["base"].loss
-                + self.consistency_weight * terms["consistency"].loss
-            )
+            loss = terms["refined"].loss + anchor_weight * terms["base"].loss
             main = "refined"
+            # p̂^r_k: free-running Jacobi rounds. Round 1 is fed the drafter's own argmax (the seed Jacobi starts
+            # from), round k the argmax of round k - 1: the prefixes Jacobi's iterations actually see. The tokens
+            # carry no gradient; each round's distribution does.
+            tokens, rounds = base.detach().argmax(dim=-1), []
+            for _ in range(self.consistency_rounds):
+                logits = base + core.refiner(hidden, previous_tokens(last, as_target_ids(tokens)))
+                rounds.append(self._loss(logits, targets, weights))
+                tokens = logits.detach().argmax(dim=-1)
+            if rounds:
+                last_round = rounds[-1]
+                terms["consistency"] = DistributionLoss(
+                    loss=torch.stack([r.loss for r in rounds]).mean(), ce=last_round.ce, l1=last_round.l1,
+                    valid=last_round.valid, ce_valid=last_round.ce_valid,
+                )  # fmt: skip
+                loss = loss + self.consistency_weight * terms["consistency"].loss
 
         metrics: dict[str, torch.Tensor] = {}
         one = torch.ones((), device=base.device)
@@ -243,7 +259,12 @@ class XPressObjective(nn.Module):
         accept = terms[main].accept  # (N, n), of the distribution drafts are drawn from
         for k in range(config.num_draft_tokens):
             metrics[f"accept_k{k + 1}"] = _mean_metric(accept[:, k], terms[main].valid[:, k])
-        # τ estimate at temperature 1: 1 + Σ_k Π_{j≤k} (1 − TV_j), over blocks whose every position is labelled.
+        # τ estimate at temperature 1: 1 + Σ_k Π_{j≤k} (1 − TV_j), over blocks whose every position is labelled. For
+        # a head it is teacher-forced; `tau_estimate_jacobi` is the same estimate of the last free-running round,
+        # the head fed its own previous round's drafts as Jacobi feeds it (the figure to select a head by).
         full = terms[main].valid.all(dim=-1)
         metrics["tau_estimate"] = _mean_metric(1.0 + accept.cumprod(dim=-1).sum(dim=-1), full)
+        if "consistency" in terms:
+            free = terms["consistency"].accept
+            metrics["tau_estimate_jacobi"] = _mean_metric(1.0 + free.cumprod(dim=-1).sum(dim=-1), full)
         return XPressObjectiveOutput(loss=loss, metrics=metrics)

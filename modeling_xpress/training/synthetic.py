@@ -68,7 +68,8 @@ def perfect_head(model, perm: torch.Tensor, scale: float = 100.0) -> None:
             head.fuse.weight.zero_()
             head.fuse.weight[:, 2 * r :] = torch.eye(r)
             head.down.weight.zero_()
-            head.down.bias.zero_()
+            if head.down.bias is not None:
+                head.down.bias.zero_()
 
 
 def constructed_permutation_pair(vocab_size: int = 64, block_size: int = 8, refiner: str = "xpress"):

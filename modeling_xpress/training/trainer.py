@@ -66,16 +66,22 @@ def prepare_for_training(xpress: XPressModel, args: XPressTrainingArguments) -> 
     return get_peft_model(xpress, lora)
 
 
-def with_fresh_head(model: XPressModel, refiner: str, refiner_rank: int | None = None) -> XPressModel:
+def with_fresh_head(model: XPressModel, refiner: str, refiner_rank: int | None = None, **head) -> XPressModel:
     """A new `XPressModel` with `model`'s drafter weights and a fresh `refiner` head (δ = 0 until trained).
 
     The second stage of training from scratch: a drafter trained alone (`refiner="none"`) gets an xPress or Markov
-    head; or a head is swapped for another on the same drafter.
+    head; or a head is swapped for another on the same drafter. `head`: more of the head's config fields
+    (`refiner_form`, `refiner_mlp_hidden`).
     """
     config = copy.deepcopy(model.config)
     config.refiner = refiner
     if refiner_rank is not None:
         config.refiner_rank = refiner_rank
+    unknown = [k for k in head if k not in ("refiner_form", "refiner_mlp_hidden")]
+    if unknown:
+        raise ValueError(f"with_fresh_head sets the head's fields refiner_form and refiner_mlp_hidden, not {unknown}")
+    for name, value in head.items():
+        setattr(config, name, value)
     config.validate_xpress()
     fresh = XPressModel(config).to(model.device, model.dtype)
     drafter = {name: tensor for name, tensor in model.state_dict().items() if not name.startswith("refiner.")}
@@ -181,6 +187,7 @@ class XPressTrainer(Trainer):
             ce_weight=args.ce_weight,
             l1_weight=args.l1_weight,
             consistency_weight=args.consistency_weight,
+            consistency_rounds=args.consistency_rounds,
         )
         if data_collator is None:
             data_collator = (SignalCacheCollator if any(caches) else XPressDataCollator)(
