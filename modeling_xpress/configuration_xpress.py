@@ -183,6 +183,23 @@ class XPressConfig(PreTrainedConfig):
     attention_bias: bool = False
     # Dropout on attention weights during training.
     attention_dropout: float = 0.0
+    # Per drafter layer, what its queries see of [context ; block]: None → everything (full attention, dFlash's
+    # default), an integer W → a sliding window of W positions ending at the query's own position (or its block's
+    # anchor, `window_anchored`): keys at positions p with `end - p < W`, transformers' `sliding_window` convention.
+    # None (the field) → every layer full. Released drafters declare it as `layer_types` + `sliding_window`
+    # (`conversion` maps them); it is not stored under those names because they make transformers' caches drop the keys
+    # outside the window, while the drafter's caches keep every context position (a rejected block is rolled back by
+    # cropping them) and the window is a mask by position.
+    attention_windows: list[int | None] | None = None
+    # Whether a windowed layer is also causal inside the block (a block position sees the block positions up to its own):
+    # z-lab's and vLLM's default for sliding layers, and speculators' unless `sliding_window_non_causal`. False → it sees
+    # the whole block (transformers' native dFlash assistant); a window ending at the query must then be >= block_size
+    # (the references disagree on what a shorter one cuts). Full-attention layers always see the whole block.
+    window_causal: bool = True
+    # Where a window ends: False → at each query's own position (z-lab's dFlash, vLLM, transformers); True → at the
+    # block's anchor for every query of the block, the block itself always visible (how speculators trains its
+    # sliding-window layers: the anchor's W - 1 preceding context tokens).
+    window_anchored: bool = False
     # Standard deviation of the normal initialisation of fresh linear layers.
     initializer_range: float = 0.02
 
@@ -255,8 +272,10 @@ class XPressConfig(PreTrainedConfig):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.refiner not in REFINER_TYPES:
             raise ValueError(f"refiner must be one of {REFINER_TYPES}, got {self.refiner!r}")
-        if not isinstance(self.qk_norm, bool):
-            raise ValueError(f"qk_norm must be True or False, got {self.qk_norm!r}")
+        for name in ("qk_norm", "window_causal", "window_anchored"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self.check_attention_windows()
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (an anchor plus at least one draft), got {self.block_size}")
         if self.refiner_rank < 1:
@@ -321,6 +340,30 @@ class XPressConfig(PreTrainedConfig):
                 f"mask_token_id={self.mask_token_id} is outside the target vocabulary (0..{self.vocab_size - 1}); "
                 "pass None to let the drafter learn its own mask vector"
             )
+
+    def check_attention_windows(self) -> None:
+        """`attention_windows` is None or one entry per drafter layer, each None or a window >= 1 (>= block_size for a
+        non-causal window that ends at the query): a ValueError naming the entry otherwise."""
+        windows = self.attention_windows
+        if windows is None:
+            return
+        if not isinstance(windows, (list, tuple)) or len(windows) != self.num_hidden_layers:
+            raise ValueError(
+                f"attention_windows must be None (every layer full) or a list with one entry per drafter layer "
+                f"(num_hidden_layers={self.num_hidden_layers}), each None (full attention) or a window size; got "
+                f"{windows!r}"
+            )
+        bad = [w for w in windows if w is not None and not (is_integer(w) and w >= 1)]
+        if bad:
+            raise ValueError(f"attention_windows entries must be None or integers >= 1, got {bad[0]!r} in {windows!r}")
+        short = [w for w in windows if w is not None and w < self.block_size]
+        if short and not self.window_causal and not self.window_anchored:
+            raise ValueError(
+                f"attention_windows has a window of {short[0]} < block_size ({self.block_size}) with window_causal="
+                "False: z-lab's code and transformers disagree on which block positions such a window hides after "
+                "the query, so no loaded drafter means one function by it. Use a window >= block_size."
+            )
+        self.attention_windows = list(windows)
 
     @property
     def num_draft_tokens(self) -> int:
