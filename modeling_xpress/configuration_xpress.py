@@ -133,6 +133,7 @@ class XPressConfig(PreTrainedConfig):
 
     model_type = "xpress"
     keys_to_ignore_at_inference = ["past_key_values"]
+    default_theta = DEFAULT_ROPE_THETA  # the RoPE base transformers' `rope_parameters` rule fills in when none is given
 
     # --- target facts -------------------------------------------------------------------------------------------
     # Size of the target's vocabulary (rows of its input embedding table / lm_head).
@@ -177,7 +178,9 @@ class XPressConfig(PreTrainedConfig):
     # Longest position the rotary embedding is set up for.
     max_position_embeddings: int = 40960
     # RoPE settings as transformers' `rope_parameters`; None → `{"rope_type": "default", "rope_theta":
-    # DEFAULT_ROPE_THETA}` (a flat `rope_theta=` keyword, as older configs carry, is honoured).
+    # DEFAULT_ROPE_THETA}`. The flat `rope_theta=` and `rope_scaling=` keywords of configs saved by transformers 4.x
+    # (`{"type": "yarn", "factor": 4.0, ...}`) are folded into it by transformers' own rule
+    # (`convert_rope_params_to_dict`, which its model configs and vLLM apply too), never dropped.
     rope_parameters: RopeParameters | dict | None = None
     # Bias on the q/k/v/o projections.
     attention_bias: bool = False
@@ -256,8 +259,6 @@ class XPressConfig(PreTrainedConfig):
     tree_acceptance: dict[int, float] | None = None
 
     def __post_init__(self, **kwargs):
-        if self.rope_parameters is None:
-            self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", DEFAULT_ROPE_THETA)}
         if self.target_layer_ids is None and self.num_target_layers and self.num_hidden_layers:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         if self.target_layer_ids is not None:
