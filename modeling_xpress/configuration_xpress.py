@@ -92,6 +92,28 @@ def check_acceptance(acceptance, block_size: int) -> list[float]:
     return [float(s) for s in values]
 
 
+def decoder_layer_fields(text_config: PreTrainedConfig) -> dict:
+    """The `XPressConfig` fields a transformers decoder config gives about its decoder layers (widths, heads, norm eps,
+    activation, attention bias, RoPE, positions) and its special tokens; None where it says nothing. A target's
+    (`XPressConfig.from_target_config`) or a dFlash drafter's own (`dflash_formats`)."""
+    heads = text_config.num_attention_heads
+    return dict(
+        hidden_size=text_config.hidden_size,
+        intermediate_size=text_config.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
+        rms_norm_eps=getattr(text_config, "rms_norm_eps", None),
+        hidden_act=getattr(text_config, "hidden_act", None),
+        attention_bias=getattr(text_config, "attention_bias", None),
+        max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
+        rope_parameters=dict(text_config.rope_parameters) if getattr(text_config, "rope_parameters", None) else None,
+        bos_token_id=getattr(text_config, "bos_token_id", None),
+        eos_token_id=getattr(text_config, "eos_token_id", None),
+        pad_token_id=getattr(text_config, "pad_token_id", None),
+    )
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """dFlash's rule for which target layers feed the drafter's context.
 
@@ -381,25 +403,12 @@ class XPressConfig(PreTrainedConfig):
         chosen number of drafter layers.
         """
         text = target_config.get_text_config(decoder=True)
-        heads = text.num_attention_heads
         derived = dict(
+            decoder_layer_fields(text),
             vocab_size=text.vocab_size,
             target_hidden_size=text.hidden_size,
             num_target_layers=text.num_hidden_layers,
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            rms_norm_eps=getattr(text, "rms_norm_eps", None),
-            hidden_act=getattr(text, "hidden_act", None),
-            attention_bias=getattr(text, "attention_bias", None),
             qk_norm=TARGET_QK_NORM.get(getattr(text, "model_type", None)),
-            max_position_embeddings=getattr(text, "max_position_embeddings", None),
-            rope_parameters=dict(text.rope_parameters) if getattr(text, "rope_parameters", None) else None,
-            bos_token_id=getattr(text, "bos_token_id", None),
-            eos_token_id=getattr(text, "eos_token_id", None),
-            pad_token_id=getattr(text, "pad_token_id", None),
         )
         # What the target does not say falls back to this class's own defaults (declared once, above).
         derived = {k: v for k, v in derived.items() if v is not None or k.endswith("token_id")}

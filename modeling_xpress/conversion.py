@@ -1,14 +1,12 @@
-"""Build an xPress model from a released dFlash drafter checkpoint; the correction head starts fresh.
-`write_dflash_checkpoint` writes an xPress drafter back in the released layout, e.g. a small folder for any target
-to try `from_dflash` on.
+"""dFlash drafters in and out. `load_dflash` (`XPressModel.from_dflash`) builds an xPress model from a released
+dFlash drafter, given as a local folder or a Hub repo id; the correction head starts fresh. `write_dflash_checkpoint`
+writes an xPress drafter back in the released layout.
 
-Two source layouts are read:
-
-* dFlash releases (e.g. `z-lab/Qwen3-8B-DFlash-b16`): a Qwen3 config with `architectures: ["DFlashDraftModel"]`,
-  `block_size`, `num_target_layers` and a nested `dflash_config: {mask_token_id, target_layer_ids}`; weights
-  `layers.*`, `norm.weight`, `fc.weight`, `hidden_norm.weight` (no embedding, no lm_head).
-* transformers' native dFlash assistant: flat `block_size`/`mask_token_id`/`target_layer_ids` config fields and
-  `encoder.fc` / `encoder.output_norm_enc` weight names.
+Three formats are read, each as its own code reads it (the rules are in `dflash_formats`): z-lab's dFlash releases
+(`z-lab/Qwen3-8B-DFlash-b16`; z-lab's `dflash` package and vLLM read them), transformers' native dFlash assistant
+(`model_type: "muse_glimmer_assistant"`) and speculators' DFlash format (vLLM's training library). RoPE scaling
+(a 4.x flat `rope_scaling` too) and sliding-window layers are honoured; what the xPress drafter does not compute is
+refused, naming the field, so a drafter never loads into a function other than the one its authors trained.
 
 This file travels with every saved checkpoint; it imports only torch, transformers and its siblings.
 """
@@ -19,70 +17,85 @@ from pathlib import Path
 
 import torch
 from transformers.modeling_utils import load_state_dict, safe_save_file
-from transformers.utils import logging
+from transformers.utils.hub import cached_file
 
 from .configuration_xpress import XPressConfig
+from .dflash_formats import decoder_config, drafter_state, source_format, speculators_verifier, xpress_fields
 
-logger = logging.get_logger(__name__)
+# --- where a checkpoint's files are: a local folder, or a Hub repo id resolved as `from_pretrained` does -----------
 
-_RENAMES = (("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."))
-_IGNORED_PREFIXES = ("embed_tokens.", "lm_head.")  # the drafter uses the target's own tables
-
-
-def _drafter_state(model) -> dict[str, torch.Tensor]:
-    """The tensors a dFlash checkpoint holds: the drafter's, without the correction head or a learned mask vector."""
-    return {k: v for k, v in model.state_dict().items() if not k.startswith("refiner.") and k != "mask_embedding"}
+# Keyword arguments of `load_dflash` that go to the Hub download (transformers' `cached_file`), as in `from_pretrained`.
+HUB_ARGUMENTS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "subfolder")
+# A checkpoint's weights, in the order `from_pretrained` looks for them.
+_WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
 
 
-def _read_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder} has no config.json; expected a dFlash checkpoint folder (config + weights)")
-    return json.loads(path.read_text())
+def _looks_like_a_path(source: str) -> bool:
+    """A Hub repo id is `name` or `owner/name`; anything else is meant as a local folder."""
+    return os.path.isabs(source) or source.startswith((".", "~")) or source.count("/") > 1
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder: model.safetensors, a sharded safetensors index, or pytorch_model.bin."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    elif (folder / "pytorch_model.bin").is_file():
-        files = ["pytorch_model.bin"]
-    else:
-        raise FileNotFoundError(
-            f"{folder} has no weights: expected model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+def _fetch(source: str, filename: str, hub: dict) -> str | None:
+    """The local path of one file of `source` (downloaded into the Hub cache if needed), or None if it has none."""
+    try:
+        return cached_file(source, filename, _raise_exceptions_for_missing_entries=False, **hub)
+    except (OSError, ValueError) as error:  # not found on the Hub, no connection and not cached, invalid id
+        raise OSError(
+            f"Could not get {filename} of {source!r} from the Hugging Face Hub: {error}. Pass a local folder, or a repo "
+            "id that the Hub serves (or that is in the local cache: HF_HUB_OFFLINE=1 reads only the cache)."
+        ) from error
+
+
+def checkpoint_files(source: str | os.PathLike, **hub) -> tuple[dict, list[str]]:
+    """The config (a dict) and the weight files (local paths) of a checkpoint folder or Hub repo id."""
+    source = str(source)
+    if not os.path.isdir(source) and _looks_like_a_path(source):
+        raise FileNotFoundError(f"dFlash checkpoint folder {source} does not exist")
+    config_file = _fetch(source, "config.json", hub)
+    if config_file is None and not os.path.isdir(source):
+        raise OSError(
+            f"Could not get config.json of {source!r}: it is not a local folder, and the Hugging Face Hub (or, offline, "
+            "the local Hub cache) has no such file for that repo id. Check the id and `revision`, or pass a folder."
         )
-    state = {}
-    for name in files:
-        state.update(load_state_dict(str(folder / name)))
-    return state
-
-
-def dflash_config_to_xpress(raw: dict, **overrides) -> XPressConfig:
-    """Map a dFlash (or native transformers dFlash assistant) config dict onto `XPressConfig` fields."""
-    nested = raw.get("dflash_config") or {}
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in raw]
-    if missing:
-        raise ValueError(f"dFlash config is missing {missing}; is this a dFlash drafter checkpoint?")
-    fields = dict(
-        hidden_size=raw["hidden_size"],
-        target_hidden_size=raw.get("target_hidden_size", raw["hidden_size"]),
-        intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=raw["num_hidden_layers"],
-        num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-        mask_token_id=nested.get("mask_token_id", raw.get("mask_token_id")),
-        target_layer_ids=nested.get("target_layer_ids", raw.get("target_layer_ids")),
+    if config_file is None:
+        raise FileNotFoundError(f"{source} has no config.json; expected a dFlash checkpoint (config + weights)")
+    raw = json.loads(Path(config_file).read_text())
+    for name in _WEIGHT_FILES:
+        found = _fetch(source, name, hub)
+        if found is None:
+            continue
+        if name.endswith(".index.json"):
+            shards = sorted(set(json.loads(Path(found).read_text())["weight_map"].values()))
+            return raw, [_fetch(source, shard, hub) for shard in shards]
+        return raw, [found]
+    raise FileNotFoundError(
+        f"{source} has no weights: expected model.safetensors, model.safetensors.index.json or pytorch_model.bin"
     )
-    # Fields the dFlash config may leave out keep XPressConfig's own defaults (declared once, there); a flat
-    # `rope_theta` is honoured by XPressConfig itself.
-    optional = ("rms_norm_eps", "max_position_embeddings", "attention_bias", "hidden_act", "block_size",
-                "rope_parameters", "rope_theta", "vocab_size", "num_target_layers", "bos_token_id", "eos_token_id",
-                "pad_token_id", "qk_norm")  # fmt: skip
-    fields.update({key: raw[key] for key in optional if raw.get(key) is not None})
+
+
+def _verifier_layers(verifier: str, hub: dict) -> int | None:
+    """The decoder layer count of a speculators drafter's verifier, where its config can be read."""
+    try:
+        found = _fetch(verifier, "config.json", {k: v for k, v in hub.items() if k != "subfolder"})
+    except OSError:
+        return None
+    if found is None:
+        return None
+    return decoder_config(json.loads(Path(found).read_text())).get_text_config(decoder=True).num_hidden_layers
+
+
+# --- reading ---------------------------------------------------------------------------------------------------------
+
+
+def dflash_config_to_xpress(raw: dict, hub: dict | None = None, **overrides) -> XPressConfig:
+    """Map a dFlash, native-assistant or speculators config dict onto `XPressConfig`; `overrides` win. `hub`: download
+    arguments for a speculators drafter's verifier config (its layer count)."""
+    fields = xpress_fields(raw)
+    verifier = speculators_verifier(raw) if source_format(raw) == "speculators" else None
+    if verifier and "num_target_layers" not in overrides:
+        layers = _verifier_layers(verifier, hub or {})
+        if layers is not None:
+            fields["num_target_layers"] = layers
     fields.update(overrides)
     if "num_target_layers" not in fields:
         raise ValueError(
@@ -99,35 +112,48 @@ def dflash_config_to_xpress(raw: dict, **overrides) -> XPressConfig:
     return XPressConfig(**fields)
 
 
-def _normalise_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, tensor in state.items():
-        if name.startswith("model."):
-            name = name[len("model.") :]
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-        if name.startswith(_IGNORED_PREFIXES):
-            logger.warning(f"Ignoring {name}: xPress reads the target's own embedding table and lm_head")
-            continue
-        out[name] = tensor
-    return out
+def _drafter_state(model) -> dict[str, torch.Tensor]:
+    """The tensors a dFlash checkpoint holds: the drafter's, without the correction head or a learned mask vector."""
+    return {k: v for k, v in model.state_dict().items() if not k.startswith("refiner.") and k != "mask_embedding"}
 
 
-def load_dflash(cls, path: str | os.PathLike, **overrides):
-    """Instantiate `cls` (an `XPressModel`) with a dFlash checkpoint's drafter weights and a fresh head."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"dFlash checkpoint folder {folder} does not exist")
-    raw = _read_config(folder)
-    if raw.get("model_type") == XPressConfig.model_type:
+def _checkpoint_dtype(dtype, raw: dict, state: dict[str, torch.Tensor]) -> torch.dtype:
+    """`from_pretrained`'s rule (transformers 5): None or "auto" → the dtype the config records (`dtype`, or the older
+    `torch_dtype`), else the weights' floating dtype; a name ("bfloat16") or a `torch.dtype` as given."""
+    if dtype is None or dtype == "auto":
+        dtype = raw.get("dtype") or raw.get("torch_dtype")
+        if dtype is None:
+            floating = [t.dtype for t in state.values() if t.is_floating_point()]
+            dtype = floating[0] if floating else torch.get_default_dtype()
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be 'auto', None or a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    return dtype
+
+
+def load_dflash(cls, path: str | os.PathLike, *, dtype=None, **overrides):
+    """Instantiate `cls` (an `XPressModel`) with a dFlash checkpoint's drafter weights and a fresh head.
+
+    `path`: a local folder or a Hub repo id (downloaded into the Hub cache as `from_pretrained` does; `revision`,
+    `cache_dir`, `token`, `local_files_only`, `force_download`, `subfolder` are passed to the download). `dtype`: as in
+    `from_pretrained` (default "auto": the dtype the folder records, else its weights'). Other keywords override
+    config fields.
+    """
+    hub = {key: overrides.pop(key) for key in HUB_ARGUMENTS if key in overrides}
+    raw, files = checkpoint_files(path, **hub)
+    if source_format(raw) == "xpress":
         raise ValueError(
-            f"{folder} is an xPress checkpoint (config.json has model_type 'xpress'), not a dFlash drafter: load it "
-            f"with AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True) or "
-            f"XPressModel.from_pretrained({str(folder)!r})"
+            f"{path} is an xPress checkpoint (config.json has model_type 'xpress'), not a dFlash drafter: load it "
+            f"with AutoModel.from_pretrained({str(path)!r}, trust_remote_code=True) or "
+            f"XPressModel.from_pretrained({str(path)!r})"
         )
-    model = cls(dflash_config_to_xpress(raw, **overrides))
-    state = _normalise_names(_read_weights(folder))
+    config = dflash_config_to_xpress(raw, hub, **overrides)
+    state = {}
+    for file in files:
+        state.update(load_state_dict(file))
+    state = drafter_state(state)
+    model = cls._from_config(config, dtype=_checkpoint_dtype(dtype, raw, state))
     expected = {k: v.shape for k, v in _drafter_state(model).items()}
     missing = sorted(set(expected) - set(state))
     misshapen = [f"{k}: checkpoint {tuple(state[k].shape)} vs expected {tuple(s)}" for k, s in expected.items() if k in state and state[k].shape != s]
@@ -141,12 +167,17 @@ def load_dflash(cls, path: str | os.PathLike, **overrides):
         if unexpected:
             lines.append(f"unexpected tensors: {unexpected}")
         raise ValueError(
-            f"{folder} does not match the dFlash layout implied by its config ("
+            f"{path} does not match the dFlash layout implied by its config ("
             + " | ".join(lines)
             + "). Check that config.json belongs to these weights."
         )
     model.load_state_dict(state, strict=False)
+    if model.draft_token_ids is not None:
+        model.set_draft_vocabulary(state["draft_token_ids"])  # checks the ids
     return model
+
+
+# --- writing ---------------------------------------------------------------------------------------------------------
 
 
 def write_dflash_checkpoint(model, path: str | os.PathLike) -> Path:
@@ -204,4 +235,4 @@ def write_dflash_checkpoint(model, path: str | os.PathLike) -> Path:
     return folder
 
 
-__all__ = ["load_dflash", "dflash_config_to_xpress", "write_dflash_checkpoint"]
+__all__ = ["HUB_ARGUMENTS", "checkpoint_files", "dflash_config_to_xpress", "load_dflash", "write_dflash_checkpoint"]

@@ -497,15 +497,18 @@ class XPressModel(XPressPreTrainedModel):
         write_hub_extras(self, Path(save_directory))
 
     @classmethod
-    def from_dflash(cls, path: str | os.PathLike, **overrides) -> "XPressModel":
-        """Build an xPress model from a dFlash checkpoint folder (the released layout); the head starts fresh.
+    def from_dflash(cls, path: str | os.PathLike, *, dtype=None, **overrides) -> "XPressModel":
+        """Build an xPress model from a released dFlash drafter: a folder or Hub repo id in z-lab's layout,
+        transformers' native assistant's or speculators' DFlash format (`conversion.load_dflash`); the head starts
+        fresh (δ = 0).
 
-        `overrides` set config fields the dFlash config does not carry (e.g. `refiner`, `refiner_rank`, or the
-        target facts `vocab_size`/`num_target_layers` when its config lacks them).
+        `dtype` as in `from_pretrained` (default: the folder's own). Hub keywords (`revision`, `cache_dir`, `token`,
+        `local_files_only`, ...) go to the download; other `overrides` set config fields the dFlash config does not
+        carry (e.g. `refiner`, `refiner_rank`, or `num_target_layers` when its config lacks it).
         """
         from .conversion import load_dflash
 
-        return load_dflash(cls, path, **overrides)
+        return load_dflash(cls, path, dtype=dtype, **overrides)
 
 
 # The one side effect of loading xPress, whether as the package or as a checkpoint's own code with
