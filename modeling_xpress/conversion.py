@@ -1,12 +1,13 @@
 """dFlash drafters in and out. `load_dflash` (`XPressModel.from_dflash`) builds an xPress model from a released
 dFlash drafter, given as a local folder or a Hub repo id; the correction head starts fresh. `write_dflash_checkpoint`
-writes an xPress drafter back in the released layout.
+and `write_speculators_checkpoint` write an xPress drafter in the formats other code reads.
 
 Three formats are read, each as its own code reads it (the rules are in `dflash_formats`): z-lab's dFlash releases
 (`z-lab/Qwen3-8B-DFlash-b16`; z-lab's `dflash` package and vLLM read them), transformers' native dFlash assistant
 (`model_type: "muse_glimmer_assistant"`) and speculators' DFlash format (vLLM's training library). RoPE scaling
 (a 4.x flat `rope_scaling` too) and sliding-window layers are honoured; what the xPress drafter does not compute is
-refused, naming the field, so a drafter never loads into a function other than the one its authors trained.
+refused, naming the field, so a drafter never loads into a function other than the one its authors trained. The
+writers refuse a drafter that their readers would compute differently, and say what to do instead.
 
 This file travels with every saved checkpoint; it imports only torch, transformers and its siblings.
 """
@@ -20,7 +21,10 @@ from transformers.modeling_utils import load_state_dict, safe_save_file
 from transformers.utils.hub import cached_file
 
 from .configuration_xpress import XPressConfig
-from .dflash_formats import decoder_config, drafter_state, source_format, speculators_verifier, xpress_fields
+from .dflash_formats import (
+    decoder_config, dflash_layout_config, drafter_state, native_name, source_format, speculators_config,
+    speculators_verifier, xpress_fields,
+)  # fmt: skip
 
 # --- where a checkpoint's files are: a local folder, or a Hub repo id resolved as `from_pretrained` does -----------
 
@@ -180,59 +184,71 @@ def load_dflash(cls, path: str | os.PathLike, *, dtype=None, **overrides):
 # --- writing ---------------------------------------------------------------------------------------------------------
 
 
-def write_dflash_checkpoint(model, path: str | os.PathLike) -> Path:
-    """Write `model`'s drafter (an `XPressModel`) as a dFlash checkpoint folder in the released layout.
-
-    The folder holds a Qwen3-style `config.json` with `architectures: ["DFlashDraftModel"]`, `block_size`,
-    `num_target_layers` and `dflash_config: {mask_token_id, target_layer_ids}`, and `model.safetensors` with
-    `layers.*`, `norm.weight`, `fc.weight`, `hidden_norm.weight`. The correction head is not part of that layout and is
-    not written; `XPressModel.from_dflash(path)` reads the drafter back exactly, with a fresh head. A small folder for
-    any target, to try `from_dflash` on:
-
-        config = XPressConfig.from_target_config(target.config, num_hidden_layers=1, mask_token_id=0)
-        write_dflash_checkpoint(XPressModel(config), "tiny-dflash")
-        xpress = XPressModel.from_dflash("tiny-dflash", refiner="xpress")
-
-    dFlash marks masked positions with a target token, so the model needs `config.mask_token_id`.
-    """
-    config = model.config
-    if config.mask_token_id is None:
-        raise ValueError(
-            "The dFlash layout marks masked positions with a target token id, but this drafter learns its own mask "
-            "vector (mask_token_id=None). Build it with mask_token_id=<a token id of the target> to write it as dFlash."
-        )
-    raw = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": config.max_position_embeddings,
-        "attention_bias": config.attention_bias,
-        "qk_norm": config.qk_norm,  # releases have QK-norm and no such field; a Llama-style drafter (False) says so
-        "rope_parameters": dict(config.rope_parameters),
-        "rope_theta": config.rope_parameters.get("rope_theta"),  # older readers take the flat field
-        "vocab_size": config.vocab_size,
-        "tie_word_embeddings": False,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "pad_token_id": config.pad_token_id,
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "block_size": config.block_size,
-        "num_target_layers": config.num_target_layers,
-        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)},
-    }
-    folder = Path(path)
+def _save(folder: Path, raw: dict, state: dict[str, torch.Tensor]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    state = {name: tensor.detach().contiguous() for name, tensor in _drafter_state(model).items()}
-    safe_save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    safe_save_file({k: v.detach().contiguous() for k, v in state.items()}, str(folder / "model.safetensors"),
+                   metadata={"format": "pt"})  # fmt: skip
     return folder
 
 
-__all__ = ["HUB_ARGUMENTS", "checkpoint_files", "dflash_config_to_xpress", "load_dflash", "write_dflash_checkpoint"]
+def write_dflash_checkpoint(model, path: str | os.PathLike, layout: str = "dflash") -> Path:
+    """Write `model`'s drafter (an `XPressModel`) as a dFlash checkpoint folder; the correction head is not written.
+
+    `layout="dflash"` (default): z-lab's released layout, which z-lab's `DFlashDraftModel` and vLLM read (vLLM serves
+    it as `--speculative-config '{"method": "dflash", "model": <folder>}'`): a Qwen3 `config.json` with
+    `architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers` and `dflash_config: {mask_token_id,
+    target_layer_ids}`, and `model.safetensors` with `layers.*`, `norm.weight`, `fc.weight`, `hidden_norm.weight`.
+    `layout="transformers"`: transformers' native dFlash assistant's (`model_type: "muse_glimmer_assistant"`, flat
+    fields, `encoder.fc` / `encoder.output_norm_enc`), which `AutoModel.from_pretrained` loads as
+    `MuseGlimmerAssistantModel` for `generate(..., assistant_model=, speculation_type="dflash")`.
+
+    `XPressModel.from_dflash(path)` reads either back exactly, with a fresh head. A small folder for any target:
+
+        config = XPressConfig.from_target_config(target.config, num_hidden_layers=1, mask_token_id=0, qk_norm=True)
+        write_dflash_checkpoint(XPressModel(config), "tiny-dflash")
+        xpress = XPressModel.from_dflash("tiny-dflash", refiner="xpress")
+
+    Refused, because the readers would compute another function: a learned mask vector (dFlash marks masked slots with
+    a token id), no QK-norm, a draft vocabulary, windows ending at the anchor or of several sizes; for
+    `layout="transformers"` also attention biases and causal windows (its layers have neither).
+    """
+    raw = dflash_layout_config(model.config, model.dtype, layout)
+    state = _drafter_state(model)
+    if layout == "transformers":
+        state = {native_name(name): tensor for name, tensor in state.items()}
+    return _save(Path(path), raw, state)
+
+
+def write_speculators_checkpoint(model, path: str | os.PathLike, target) -> Path:
+    """Write `model`'s drafter (an `XPressModel`) in speculators' DFlash format, for `target` (its verifier).
+
+    speculators (`DFlashDraftModel.from_pretrained`) reads it, and vLLM serves it as a dFlash drafter without this
+    project's vLLM plugin (`--speculative-config '{"model": <folder>}'`: vLLM reads the method from the folder); the
+    correction head is not written (vLLM then drafts the drafter's own tokens). The config records `target` as the
+    verifier (its `name_or_path`, which speculators loads the embedding and lm_head from). A draft vocabulary is
+    written as speculators stores one: `d2t` offsets, the `t2d` mask, and the target lm_head's rows as `lm_head.weight`.
+
+    Refused, besides what `write_dflash_checkpoint` refuses but a draft vocabulary: sliding-window layers (speculators
+    trains windows that end at the anchor, vLLM serves windows that end at each query: no speculators folder means one
+    function to both) and a target layer id that is the target's last layer (vLLM's reader cannot feed it).
+    """
+    config = model.config
+    config.check_target(target.config)
+    verifier = target.config.name_or_path or config.target_model_name
+    raw = speculators_config(config, model.dtype, verifier, list(target.config.architectures or []))
+    state = _drafter_state(model)
+    ids = state.pop("draft_token_ids", None)
+    if ids is not None:  # speculators stores the draft vocabulary in ascending id order
+        ids = ids.sort().values
+        state["d2t"] = ids - torch.arange(ids.shape[0])
+        state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+        rows = target.get_output_embeddings().weight.detach().index_select(0, ids.to(target.device))
+        state["lm_head.weight"] = rows.to(model.dtype).cpu()
+    return _save(Path(path), raw, state)
+
+
+__all__ = [
+    "HUB_ARGUMENTS", "checkpoint_files", "dflash_config_to_xpress", "load_dflash", "write_dflash_checkpoint",
+    "write_speculators_checkpoint",
+]  # fmt: skip

@@ -1,5 +1,5 @@
-"""What each dFlash checkpoint format means: its config as `XPressConfig` fields, its weight names.
-`conversion` (`XPressModel.from_dflash`) uses these rules.
+"""What each dFlash checkpoint format means, both ways: its config as `XPressConfig` fields, its weight names, and
+the config an xPress drafter is written with. `conversion` (`XPressModel.from_dflash`, the writers) uses these rules.
 
 * **dFlash releases** (z-lab's, e.g. `z-lab/Qwen3-8B-DFlash-b16`; read by z-lab's `dflash/model.py` and vLLM's
   `qwen3_dflash.py`): a decoder config (Qwen3's) with `architectures: ["DFlashDraftModel"]`, `block_size`,
@@ -20,7 +20,8 @@ The decoder config is built by transformers' own config class for its `model_typ
 so a flat `rope_scaling` (transformers 4.x) becomes `rope_parameters`, and `sliding_window` means what that class
 keeps of it (Qwen3's drops it unless `use_sliding_window`). Windows become `XPressConfig.attention_windows`, in one
 convention (W positions ending at the query or at the anchor). What the xPress drafter does not compute (DFlash-2's
-convolutions, logit soft-capping, vLLM-only switches, ...) is refused, naming the field.
+convolutions, logit soft-capping, vLLM-only switches, ...) is refused, naming the field; what a format's readers
+would compute differently from the drafter is refused on the way out.
 
 This file travels with every saved checkpoint; it imports only torch, transformers and its siblings.
 """
@@ -257,4 +258,169 @@ def drafter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["decoder_config", "drafter_state", "source_format", "speculators_verifier", "xpress_fields"]
+def native_name(name: str) -> str:
+    """A drafter tensor's name in transformers' native assistant."""
+    for native, ours in _RENAMES:
+        if name.startswith(ours):
+            return native + name[len(ours) :]
+    return name
+
+
+# --- writing: what each format's readers compute, as a config --------------------------------------------------------
+
+# Layouts `write_dflash_checkpoint` writes: z-lab's release layout, or transformers' native assistant's.
+LAYOUTS = ("dflash", "transformers")
+
+
+def refuse_inexpressible(config: XPressConfig, where: str, *, draft_vocabulary: bool = False) -> None:
+    """What no dFlash reader computes: a learned mask vector, attention without QK-norm, a draft vocabulary (but in
+    speculators' format)."""
+    if config.mask_token_id is None:
+        raise ValueError(
+            f"{where} marks masked positions with a target token id, but this drafter learns its own mask vector "
+            "(mask_token_id=None). Build it with mask_token_id=<a token id of the target> to write it, or save it "
+            "with save_pretrained."
+        )
+    if not config.qk_norm:
+        raise ValueError(
+            f"This drafter has no QK-norm (qk_norm=False, Llama-style attention), but every reader of {where} (z-lab's "
+            "DFlashDraftModel, vLLM, transformers' dFlash assistant, speculators) RMS-normalises queries and keys "
+            "(norms of weight 1 are not the identity), so they would compute a different function. Save it with "
+            "save_pretrained (vLLM serves that through this project's vLLM plugin), or build the drafter with qk_norm=True."
+        )
+    if config.draft_vocab_size is not None and not draft_vocabulary:
+        raise ValueError(
+            f"This drafter drafts from a draft vocabulary of {config.draft_vocab_size} tokens, but {where} reads out "
+            "the whole vocabulary. Write it with write_speculators_checkpoint (which stores a draft vocabulary) or "
+            "save_pretrained."
+        )
+
+
+def _one_window(config: XPressConfig, where: str) -> int | None:
+    """The window every windowed layer shares (these formats have one `sliding_window`), or None without windows."""
+    sizes = sorted({w for w in config.attention_windows or [] if w is not None})
+    if len(sizes) > 1:
+        raise ValueError(f"{where} has one sliding_window for all layers, but attention_windows has {sizes}")
+    if sizes and config.window_anchored:
+        raise ValueError(
+            f"This drafter's windows end at the block's anchor (window_anchored=True, speculators' training), but "
+            f"{where}'s readers end them at each query; they would compute a different function. Save it with "
+            "save_pretrained."
+        )
+    return sizes[0] if sizes else None
+
+
+def _decoder_dict(config: XPressConfig, dtype: torch.dtype) -> dict:
+    """The decoder config both layouts (and speculators' transformer_layer_config) share, in Qwen3's field names."""
+    return {
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": config.attention_bias,
+        "rope_parameters": dict(config.rope_parameters),
+        "rope_theta": config.rope_parameters.get("rope_theta"),  # older readers take the flat field
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": False,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _layer_types(config: XPressConfig) -> list[str]:
+    return [_FULL if w is None else _SLIDING for w in config.attention_windows or [None] * config.num_hidden_layers]
+
+
+def dflash_layout_config(config: XPressConfig, dtype: torch.dtype, layout: str) -> dict:
+    """The `config.json` of `write_dflash_checkpoint`'s `layout`, or a ValueError for what its readers would compute
+    differently."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    where = "the dFlash layout" if layout == "dflash" else "transformers' dFlash assistant layout"
+    refuse_inexpressible(config, where)
+    window = _one_window(config, where)
+    raw = _decoder_dict(config, dtype)
+    dflash = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}
+    if layout == "dflash":
+        raw.update(architectures=["DFlashDraftModel"], block_size=config.block_size,
+                   num_target_layers=config.num_target_layers, dflash_config=dflash)  # fmt: skip
+        if window is not None:  # Qwen3's config keeps sliding_window only with use_sliding_window
+            raw.update(layer_types=_layer_types(config), sliding_window=window, use_sliding_window=True)
+            if not config.window_causal:
+                raw["is_causal"] = False  # both readers make sliding layers causal unless told otherwise
+        return raw
+    if config.attention_bias:
+        raise ValueError(f"{where} has no attention biases; this drafter has them (attention_bias=True)")
+    if window is not None and config.window_causal:
+        raise ValueError(
+            f"{where}'s sliding layers see the whole block, but this drafter's are causal (window_causal=True): "
+            "write it with layout='dflash'"
+        )
+    raw.update(model_type="muse_glimmer_assistant", architectures=["MuseGlimmerAssistantModel"],
+               block_size=config.block_size, num_target_layers=config.num_target_layers,
+               layer_types=_layer_types(config), **dflash)  # fmt: skip
+    del raw["attention_bias"]
+    if window is not None:
+        raw["sliding_window"] = window - 1  # it sees |query - key| <= sliding_window
+    return raw
+
+
+def speculators_config(config: XPressConfig, dtype: torch.dtype, verifier: str | None, architectures: list[str]) -> dict:
+    """The `config.json` of `write_speculators_checkpoint` for the `verifier` (the target's Hub id or folder), or a
+    ValueError for what speculators or vLLM would compute differently."""
+    where = "speculators' DFlash format"
+    refuse_inexpressible(config, where, draft_vocabulary=True)
+    if any(w is not None for w in config.attention_windows or []):
+        raise ValueError(
+            f"This drafter has sliding-window layers (attention_windows={config.attention_windows}); speculators "
+            "trains windows that end at the block's anchor and vLLM serves windows that end at each query, so "
+            f"{where} cannot say which function this is. Write it with write_dflash_checkpoint (z-lab's layout, "
+            "which vLLM serves with this drafter's windows) or save_pretrained."
+        )
+    if config.num_target_layers - 1 in config.target_layer_ids:
+        raise ValueError(
+            f"target_layer_ids {config.target_layer_ids} include the target's last layer ({config.num_target_layers - 1}), "
+            f"whose output vLLM's reader of {where} cannot feed the drafter; write it with write_dflash_checkpoint"
+        )
+    if not verifier:
+        raise ValueError(
+            f"{where} names the verifier (target) by its Hub id or folder, but this target has no name_or_path: load "
+            "it with from_pretrained(<id or folder>), or save it and load it from there"
+        )
+    layer = _decoder_dict(config, dtype)
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": {k: v for k, v in layer.items() if k != "dtype"},
+        "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
+        "block_size": config.block_size,
+        "target_hidden_size": config.target_hidden_size,
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "mask_token_id": config.mask_token_id,
+        # Full-attention layers see the whole block; speculators ignores this flag for them, vLLM (0.32) reads it for
+        # every layer and makes them all causal without it.
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.num_draft_tokens}],
+            "verifier": {"name_or_path": verifier, "architectures": architectures},
+        },
+        "dtype": layer["dtype"],
+        "tie_word_embeddings": False,
+    }
+
+
+__all__ = [
+    "LAYOUTS", "decoder_config", "dflash_layout_config", "drafter_state", "native_name", "refuse_inexpressible",
+    "source_format", "speculators_config", "speculators_verifier", "xpress_fields",
+]  # fmt: skip

@@ -4,7 +4,8 @@ installed without its dependencies) and transformers' native dFlash assistant (`
 Every folder here is written by the reference itself (`save_pretrained`, then edited where a test needs what an older
 transformers wrote), loaded with `XPressModel.from_dflash`, and compared with the reference's own forward on the same
 tiny random target: plain, yarn RoPE (flat `rope_scaling` and `rope_parameters`), sliding-window layers whose window is
-shorter than the context, bf16; by path and by Hub id (an offline Hub cache).
+shorter than the context, bf16; by path and by Hub id (an offline Hub cache). What xPress writes is read back by the
+same references.
 """
 
 import json
@@ -17,8 +18,9 @@ from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssis
 from transformers.cache_utils import DFlashCache, DynamicCache
 
 from modeling_xpress import XPressModel
+from modeling_xpress.conversion import write_dflash_checkpoint, write_speculators_checkpoint
 from modeling_xpress.training.objective import draft_blocks
-from tests.builders import randomize, tiny_qwen3, tiny_xpress
+from tests.builders import randomize, tiny_llama, tiny_qwen3, tiny_xpress
 from tests.test_conversion import our_block_logits
 
 try:
@@ -228,6 +230,76 @@ def test_from_dflash_computes_the_native_assistants_hidden_states(tmp_path, targ
     other = MuseGlimmerAssistantModel(full).eval()
     other.load_state_dict(native.state_dict())
     assert (native_forward(other, target, prompt(), 40) - native_forward(native, target, prompt(), 40)).abs().max() > 0.1
+
+
+# --- what xPress writes, read back by the references -----------------------------------------------------------------
+
+
+@needs_zlab
+@pytest.mark.parametrize("case", list(ZLAB_CASES))
+def test_written_folder_loads_in_zlabs_code_with_the_same_logits(tmp_path, target, case):
+    reference = zlab_release(tmp_path / "release", **ZLAB_CASES[case])
+    xpress = XPressModel.from_dflash(tmp_path / "release").eval()
+    write_dflash_checkpoint(xpress, tmp_path / "written")
+    reread = zlab.DFlashDraftModel.from_pretrained(tmp_path / "written").eval()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(reread.state_dict()[name], tensor), name
+    for seed in (0, 1):  # the release's own function, not only the same tensors
+        ids = prompt(seed=seed)
+        torch.testing.assert_close(zlab_block_logits(reread, target, ids, 40), zlab_block_logits(reference, target, ids, 40))
+    assert_matches_zlab(xpress, reread, target)
+
+
+@pytest.mark.parametrize("windows", [None, [9, None]])
+def test_written_transformers_layout_serves_natively(tmp_path, target, windows):
+    """layout="transformers": AutoModel gives transformers' own dFlash assistant, which computes the drafter's hidden
+    states and runs `speculation_type="dflash"` (today's dFlash layout fails there: AttributeError / IndexError)."""
+    xpress = tiny_xpress(target, refiner="none", block_size=BLOCK, mask_token_id=MASK_ID, attention_windows=windows,
+                         window_causal=False)  # fmt: skip
+    randomize(xpress)
+    write_dflash_checkpoint(xpress, tmp_path / "native", layout="transformers")
+    native = AutoModel.from_pretrained(tmp_path / "native").eval()
+    assert type(native) is MuseGlimmerAssistantModel
+    for seed in (0, 1):
+        ids = prompt(seed=seed)
+        torch.testing.assert_close(native_forward(native, target, ids, 40), our_forward(xpress, target, ids, 40),
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+    ids = prompt(8)
+    expected = target.generate(ids, max_new_tokens=12, do_sample=False)
+    out = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=native, speculation_type="dflash")
+    assert torch.equal(out, expected)
+    assert XPressModel.from_dflash(tmp_path / "native").config.attention_windows == windows
+
+
+def test_what_the_formats_cannot_say_is_refused(tmp_path, target):
+    llama_style = tiny_xpress(tiny_llama(), refiner="none", mask_token_id=0)
+    assert llama_style.config.qk_norm is False
+    with pytest.raises(ValueError, match=r"no QK-norm \(qk_norm=False.*norms of weight 1 are not the identity"):
+        write_dflash_checkpoint(llama_style, tmp_path / "a")
+    vocabulary = tiny_xpress(target, refiner="none", mask_token_id=0, draft_vocab_size=32)
+    with pytest.raises(ValueError, match="draft vocabulary of 32 tokens.*write_speculators_checkpoint"):
+        write_dflash_checkpoint(vocabulary, tmp_path / "b")
+    anchored = tiny_xpress(target, refiner="none", mask_token_id=0, attention_windows=[None, 9], window_anchored=True)
+    with pytest.raises(ValueError, match="window_anchored=True"):
+        write_dflash_checkpoint(anchored, tmp_path / "c")
+    causal = tiny_xpress(target, refiner="none", mask_token_id=0, attention_windows=[None, 9])
+    with pytest.raises(ValueError, match="write it with layout='dflash'"):
+        write_dflash_checkpoint(causal, tmp_path / "d", layout="transformers")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        write_dflash_checkpoint(causal, tmp_path / "e", layout="zlab")
+    assert not any((tmp_path / name).exists() for name in "abcde")
+
+
+def test_writing_refuses_what_speculators_or_vllm_would_read_differently(tmp_path, target):
+    windowed = tiny_xpress(target, refiner="none", mask_token_id=7, attention_windows=[None, 9])
+    with pytest.raises(ValueError, match="speculators trains windows that end at the block's anchor"):
+        write_speculators_checkpoint(windowed, tmp_path / "a", target)
+    last = tiny_xpress(target, refiner="none", mask_token_id=7, target_layer_ids=[1, 4])
+    with pytest.raises(ValueError, match=r"include the target's last layer \(4\)"):
+        write_speculators_checkpoint(last, tmp_path / "b", target)
+    nameless = tiny_xpress(target, refiner="none", mask_token_id=7)
+    with pytest.raises(ValueError, match="has no name_or_path"):
+        write_speculators_checkpoint(nameless, tmp_path / "c", target)
 
 
 @needs_zlab
