@@ -224,7 +224,7 @@ def write_speculators_checkpoint(model, path: str | os.PathLike, target) -> Path
     """Write `model`'s drafter (an `XPressModel`) in speculators' DFlash format, for `target` (its verifier).
 
     speculators (`DFlashDraftModel.from_pretrained`) reads it, and vLLM serves it as a dFlash drafter without this
-    project's vLLM plugin (`--speculative-config '{"model": <folder>}'`: vLLM reads the method from the folder); the
+    project's vLLM plugin (`vllm serve <folder>`: vLLM serves the verifier the folder names, with this drafter); the
     correction head is not written (vLLM then drafts the drafter's own tokens). The config records `target` as the
     verifier (its `name_or_path`, which speculators loads the embedding and lm_head from). A draft vocabulary is
     written as speculators stores one: `d2t` offsets, the `t2d` mask, and the target lm_head's rows as `lm_head.weight`.

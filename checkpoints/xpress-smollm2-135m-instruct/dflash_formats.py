@@ -383,7 +383,7 @@ def speculators_config(config: XPressConfig, dtype: torch.dtype, verifier: str |
             f"This drafter has sliding-window layers (attention_windows={config.attention_windows}); speculators "
             "trains windows that end at the block's anchor and vLLM serves windows that end at each query, so "
             f"{where} cannot say which function this is. Write it with write_dflash_checkpoint (z-lab's layout, "
-            "which vLLM serves with this drafter's windows) or save_pretrained."
+            "whose windows vLLM reads by z-lab's rule) or save_pretrained."
         )
     if config.num_target_layers - 1 in config.target_layer_ids:
         raise ValueError(
