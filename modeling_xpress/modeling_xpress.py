@@ -33,11 +33,53 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotate_half(x) * sin
 
 
+class WindowMasks:
+    """The masks of a drafter forward's windowed layers (`config.attention_windows`), built from token positions.
+
+    A windowed layer's query sees the keys at positions p with `end - p < W`, where `end` is the query's own position
+    or, with `config.window_anchored`, its block's anchor; with `config.window_causal` also only p <= its own position.
+    (Nothing bounds the keys after a query: a non-causal window ending at the query is >= block_size, `XPressConfig`
+    checks, so it sees the whole block as z-lab's and transformers' bounds do.) The keys' positions: `key_position_ids`
+    when the caller gives them (a static cache, whose slots are not written in order), else the cache's `past` tokens
+    just before the new ones, then the new ones (`position_ids`). One mask per window size, shared by its layers.
+    """
+
+    def __init__(self, config: XPressConfig, position_ids: torch.Tensor, q_len: int, past: int,
+                 key_position_ids: torch.Tensor | None):  # fmt: skip
+        self.config = config
+        self.query = position_ids[:, -q_len:]  # (b, q)
+        self.end = self.query
+        if config.window_anchored:
+            if q_len % config.block_size:
+                raise ValueError(
+                    f"window_anchored windows end at each block's anchor, so the drafter's input must be whole blocks "
+                    f"of block_size={config.block_size} positions; got {q_len}"
+                )
+            self.end = self.query - torch.arange(q_len, device=position_ids.device) % config.block_size
+        if key_position_ids is None:
+            cached = position_ids[:, :1] - past + torch.arange(past, device=position_ids.device)  # (b, past)
+            key_position_ids = torch.cat([cached, position_ids], dim=1)
+        self.keys = key_position_ids  # (b, kv)
+        self.built: dict[int, torch.Tensor] = {}
+
+    def __call__(self, window: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The window's mask (b, 1, q, kv), True = attend, and'ed with the caller's `attention_mask`."""
+        if window not in self.built:
+            keys = self.keys[:, None, :]  # (b, 1, kv)
+            visible = self.end[..., None] - keys < window  # (b, q, kv)
+            if self.config.window_causal:
+                visible &= keys <= self.query[..., None]
+            self.built[window] = visible.unsqueeze(1)
+        mask = self.built[window]
+        return mask if attention_mask is None else mask & attention_mask
+
+
 class XPressAttention(nn.Module):
     """Qwen3 attention (QK-norm, RoPE, GQA) adapted to block diffusion.
 
     Deviations from `Qwen3Attention`: queries come from the block only while keys/values come from
-    `[context ; block]`, and attention is not causal (the block sees itself bidirectionally and all context).
+    `[context ; block]`, and attention is not causal (the block sees itself bidirectionally and all context), except in
+    a windowed layer (`config.attention_windows`, `WindowMasks`).
     The caller's `cache` receives the K/V of `[new context ; block]`; the caller crops the block afterwards.
     With `config.qk_norm=False` there is no q_norm/k_norm (Llama's attention), so a Llama layer loads 1:1.
     """
@@ -45,6 +87,7 @@ class XPressAttention(nn.Module):
     def __init__(self, config: XPressConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        self.window = None if config.attention_windows is None else config.attention_windows[layer_idx]
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -67,6 +110,7 @@ class XPressAttention(nn.Module):
         sin: torch.Tensor,
         attention_mask: torch.Tensor | None,  # bool (b, 1, q, kv) True = attend, or None = attend everywhere
         cache: Cache | None,
+        windows: WindowMasks | None = None,  # the forward's window masks (only a windowed layer reads them)
     ) -> torch.Tensor:
         b, q_len, _ = hidden_states.shape
         kv_input = hidden_states if context is None else torch.cat([context, hidden_states], dim=1)
@@ -81,6 +125,8 @@ class XPressAttention(nn.Module):
         key = _rope(key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
+        if self.window is not None:
+            attention_mask = windows(self.window, attention_mask)
         out = F.scaled_dot_product_attention(
             query,
             key,
@@ -104,8 +150,8 @@ class XPressDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, context, cos, sin, attention_mask, cache):
-        attn = self.self_attn(self.input_layernorm(hidden_states), context, cos, sin, attention_mask, cache)
+    def forward(self, hidden_states, context, cos, sin, attention_mask, cache, windows=None):
+        attn = self.self_attn(self.input_layernorm(hidden_states), context, cos, sin, attention_mask, cache, windows)
         hidden_states = hidden_states + attn
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -265,6 +311,7 @@ class XPressModel(XPressPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        key_position_ids: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """Run the drafter on one or more blocks.
@@ -272,6 +319,9 @@ class XPressModel(XPressPreTrainedModel):
         noise_embeds: (b, q, H) target embeddings of `[anchor, MASK…]` per block. context_hidden_states: (b, c, L·H_t)
         target features of tokens not yet in `cache`. position_ids: (b, c + q). attention_mask: see
         `_attention_mask`. cache: receives K/V of `[context ; block]`; the caller crops the block afterwards.
+        key_position_ids: (b, kv) the position of every key after the cache update, for windowed layers
+        (`config.attention_windows`) over a cache that is not written in order (a static cache); by default the cache
+        holds the tokens just before the new ones.
         Returns `last_hidden_state` (b, q, H) after the final norm (what the target's lm_head reads).
 
         dtype: the drafter computes in its own dtype (the one it was loaded in); inputs are cast to it, and the output
@@ -292,9 +342,12 @@ class XPressModel(XPressPreTrainedModel):
             raise ValueError(f"position_ids covers {position_ids.shape[-1]} tokens, expected context + block = {new_tokens}")
         past = cache.get_seq_length() if cache is not None else 0
         mask = self._attention_mask(attention_mask, hidden.shape[1], past + new_tokens)
+        windows = None
+        if self.config.attention_windows is not None:
+            windows = WindowMasks(self.config, position_ids, hidden.shape[1], past, key_position_ids)
         cos, sin = self.rotary_emb(hidden, position_ids)
         for layer in self.layers:
-            hidden = layer(hidden, context, cos, sin, mask, cache)
+            hidden = layer(hidden, context, cos, sin, mask, cache, windows)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden).to(out_dtype), cache=cache)
 
     def draft_logits(
@@ -487,15 +540,18 @@ class XPressModel(XPressPreTrainedModel):
         write_hub_extras(self, Path(save_directory))
 
     @classmethod
-    def from_dflash(cls, path: str | os.PathLike, **overrides) -> "XPressModel":
-        """Build an xPress model from a dFlash checkpoint folder (the released layout); the head starts fresh.
+    def from_dflash(cls, path: str | os.PathLike, *, dtype=None, **overrides) -> "XPressModel":
+        """Build an xPress model from a released dFlash drafter: a folder or Hub repo id in z-lab's layout,
+        transformers' native assistant's or speculators' DFlash format (`conversion.load_dflash`); the head starts
+        fresh (δ = 0).
 
-        `overrides` set config fields the dFlash config does not carry (e.g. `refiner`, `refiner_rank`, or the
-        target facts `vocab_size`/`num_target_layers` when its config lacks them).
+        `dtype` as in `from_pretrained` (default: the folder's own). Hub keywords (`revision`, `cache_dir`, `token`,
+        `local_files_only`, ...) go to the download; other `overrides` set config fields the dFlash config does not
+        carry (e.g. `refiner`, `refiner_rank`, or `num_target_layers` when its config lacks it).
         """
         from .conversion import load_dflash
 
-        return load_dflash(cls, path, **overrides)
+        return load_dflash(cls, path, dtype=dtype, **overrides)
 
 
 # The one side effect of loading xPress, whether as the package or as a checkpoint's own code with

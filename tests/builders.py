@@ -44,6 +44,17 @@ def tiny_xpress(target, refiner: str = "xpress", seed: int = 1, randomize_head: 
     return model
 
 
+def randomize(model, seed: int = 0):
+    """Random weights everywhere (any model), norms around 1: a drafter whose every tensor matters, e.g. to compare
+    with another implementation."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.08 * noise)
+    return model
+
+
 def tiny_tokenizer(vocab_size: int):
     """A word-level tokenizer over the words t0..t{V-1} (one id per word), built in code: no downloads."""
     from tokenizers import Tokenizer, models, pre_tokenizers

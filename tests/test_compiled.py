@@ -299,10 +299,15 @@ def test_target_static_cache_needs_no_crop(drafters, target_name):
     assert keys.abs().mean() > 1.0
 
 
-def test_drafter_static_cache_needs_no_crop(drafters):
+@pytest.mark.parametrize("windows", [{}, dict(attention_windows=[None, 5]), dict(attention_windows=[5, 9], window_anchored=True),
+                                     dict(attention_windows=[9, None], window_causal=False)], ids=str)  # fmt: skip
+def test_drafter_static_cache_needs_no_crop(drafters, windows):
     """The drafter on a static cache with padded context: the block's hidden states equal the eager drafter's on a
-    dynamic cache cropped after every step, with rejected blocks, padding rows and garbage left in the slots."""
+    dynamic cache cropped after every step, with rejected blocks, padding rows and garbage left in the slots; also
+    with sliding-window drafter layers, whose windows the static slots' positions must measure right."""
     target, xpress = drafters("llama", "xpress")
+    if windows:
+        xpress = tiny_xpress(target, refiner="xpress", **windows)
     decoder = CompiledDecoder(xpress, target, 64, None)
     fill_with_garbage(decoder.draft_cache)
     features = torch.randn(1, 30, xpress.fc.in_features)

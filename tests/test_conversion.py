@@ -144,9 +144,10 @@ def test_write_dflash_checkpoint_writes_the_released_layout(tmp_path, target):
 
 
 def test_write_dflash_checkpoint_round_trips_any_target(tmp_path):
-    """The docstring's recipe for a target with no dFlash release: written, read back, the same drafter."""
+    """The docstring's recipe for a target with no dFlash release: written, read back, the same drafter (with QK-norm,
+    which every dFlash reader computes; a Llama target's drafter follows the target without it by default)."""
     target = tiny_llama()
-    xpress = tiny_xpress(target, refiner="none", mask_token_id=0)
+    xpress = tiny_xpress(target, refiner="none", mask_token_id=0, qk_norm=True)
     folder = write_dflash_checkpoint(xpress, tmp_path / "tiny-dflash")
     loaded = XPressModel.from_dflash(folder, refiner="xpress")
     assert loaded.config.refiner == "xpress" and torch.count_nonzero(loaded.refiner.readout.weight) == 0
@@ -246,3 +247,14 @@ def test_an_xpress_checkpoint_is_not_read_as_dflash(tmp_path, target):
     with pytest.raises(ValueError, match="is an xPress checkpoint") as error:
         XPressModel.from_dflash(tmp_path / "xpress")
     assert f"AutoModel.from_pretrained({str(tmp_path / 'xpress')!r}, trust_remote_code=True)" in str(error.value)
+
+
+def test_flat_rope_keywords_are_folded_in_as_transformers_does():
+    """A transformers 4.x config's flat `rope_scaling` + `rope_theta` become `rope_parameters`: the scaling kept, the
+    base kept (it fell back to transformers' 10000 when both were given), the default base Qwen3's."""
+    fields = dict(hidden_size=HIDDEN, target_hidden_size=HIDDEN, num_target_layers=5, max_position_embeddings=512)
+    config = XPressConfig(**fields, rope_scaling={"type": "yarn", "factor": 4.0}, rope_theta=5e5)
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 4.0
+    assert config.rope_parameters["rope_theta"] == 5e5 and config.rope_parameters["original_max_position_embeddings"] == 512
+    assert XPressConfig(**fields, rope_theta=123.0).rope_parameters == {"rope_type": "default", "rope_theta": 123.0}
+    assert XPressConfig(**fields).rope_parameters == {"rope_type": "default", "rope_theta": 1_000_000.0}

@@ -92,7 +92,7 @@ def test_wheel_install_saves_a_checkpoint_with_its_card(tmp_path):
 RUNTIME = ("__init__", "configuration_xpress", "modeling_xpress", "heads", "refinement", "stats", "processors",
            "drafting", "policy", "layout_policy", "cpu_layouts", "draft_cap", "compiled", "compiled_loop", "trees",
            "decoding", "generation",
-           "conversion", "hub_files", "custom_generate/generate")  # fmt: skip
+           "conversion", "dflash_formats", "hub_files", "custom_generate/generate")  # fmt: skip
 """The modules decoding runs: `import modeling_xpress`, a checkpoint's trust_remote_code copy, `save_pretrained`."""
 
 
@@ -227,16 +227,26 @@ def test_install_requires_is_what_decoding_imports():
     assert not requirements[""] & set(NOT_IN_A_DECODE_ONLY_INSTALL)
 
 
-# Scripts whose commands run in .venv-vllm (`make vllm`: vLLM and this package without dependencies), not in .venv.
-VLLM_SIDE = {"examples/vllm_benchmark.py", "tests/vllm_sampling_engine.py"}
+# Scripts whose commands run in .venv-vllm (`make vllm`: vLLM, speculators and this package without dependencies), not
+# in .venv; and the packages only they import.
+VLLM_SIDE = {"examples/vllm_benchmark.py", "tests/vllm_sampling_engine.py", "tests/speculators_reference.py"}
+VLLM_SIDE_PACKAGES = ("vllm", "speculators")
+# Reference implementations the tests compare with, installed by the Makefile without dependencies (their extras pin
+# another transformers), so in no extra: package -> the tests that import it.
+MAKEFILE_REFERENCES = {"dflash": {"tests/test_dflash_releases.py"}}
 
 
 @pytest.mark.parametrize("extra", ["real", "bench", "train", "dev"])
 def test_each_extra_covers_what_its_scripts_import(extra):
     requirements = _requirements()
     needs = _needs([REPO / path for path in _uses()[extra]])
-    if needs.get("vllm", set()) <= VLLM_SIDE:
-        needs.pop("vllm", None)
+    for package in VLLM_SIDE_PACKAGES:
+        if needs.get(package, set()) <= VLLM_SIDE:
+            needs.pop(package, None)
+    for package, users in MAKEFILE_REFERENCES.items():
+        if needs.get(package, set()) <= users:
+            needs.pop(package, None)
+            assert re.search(rf"pip install .*--no-deps {package}==", (REPO / "Makefile").read_text()), package
     missing = {name: paths for name, paths in needs.items() if name not in requirements[""] | requirements[extra]}
     assert not missing, f"imported by the scripts of [{extra}] but not in install_requires or [{extra}]: {missing}"
     assert requirements["dev"] >= requirements["real"] | requirements["bench"] | requirements["train"] | {"pytest"}

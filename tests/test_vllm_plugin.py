@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.builders import tiny_llama, tiny_tokenizer
+from tests.builders import tiny_llama, tiny_tokenizer, tiny_xpress
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -251,6 +251,30 @@ except NotImplementedError as error:
     assert "TP: xpress_vllm is tested with tensor_parallel_size=1 only" in done.stdout, done.stdout[-3000:]
     assert "Serve with --tensor-parallel-size 1" in done.stdout
 
+
+
+def test_a_drafter_with_sliding_windows_is_refused_with_what_to_do(vllm_python, tmp_path):
+    """The plugin does not pass `attention_windows` to vLLM's layers, so such a checkpoint stops the drafter's
+    construction (driven without an engine: a stand-in for vLLM's config) instead of serving another function."""
+    target = tiny_llama(vocab_size=96)
+    tiny_xpress(target, mask_token_id=0, attention_windows=[None, 9]).save_pretrained(tmp_path / "windowed")
+    script = f"""
+from types import SimpleNamespace as NS
+from transformers import LlamaConfig
+import xpress_vllm.model as model
+model.get_tensor_model_parallel_world_size = lambda: 1
+spec = NS(draft_model_config=NS(model={str(tmp_path / "windowed")!r}, revision=None), num_speculative_tokens=3)
+config = NS(speculative_config=spec, model_config=NS(hf_config=LlamaConfig(**{target.config.to_diff_dict()!r})))
+try:
+    model.XPressDFlashForCausalLM(vllm_config=config)
+except ValueError as error:
+    print("WINDOWS:", error)
+"""
+    done = subprocess.run([str(vllm_python), "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "WINDOWS: This xPress drafter has sliding-window layers (attention_windows=[None, 9])" in done.stdout, done.stdout[-3000:]
+    assert "write it with modeling_xpress.conversion.write_dflash_checkpoint" in done.stdout
 
 def test_too_many_drafts_for_the_block(vllm_python, prompts_file, target_dir, tmp_path):
     done = run_engine(vllm_python, "xpress", prompts_file, tmp_path / "x.json", target_dir, "--k", "16",

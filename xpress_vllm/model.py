@@ -109,6 +109,13 @@ class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
                 f"input, so the last layer ({config.num_target_layers - 1}) cannot be one of them. Serve this "
                 "checkpoint with transformers, or train a drafter on earlier layers."
             )
+        if any(w is not None for w in config.attention_windows or []):
+            raise ValueError(
+                f"This xPress drafter has sliding-window layers (attention_windows={config.attention_windows}), which "
+                "xpress_vllm does not pass to vLLM's dFlash layers. Serve it with transformers, or serve its drafter "
+                "without the head through vLLM's own dFlash support: write it with "
+                "modeling_xpress.conversion.write_dflash_checkpoint and pass that folder."
+            )
         if spec.num_speculative_tokens > config.num_draft_tokens:
             raise ValueError(
                 f"num_speculative_tokens={spec.num_speculative_tokens}, but this xPress drafter drafts blocks of "

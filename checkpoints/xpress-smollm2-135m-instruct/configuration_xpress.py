@@ -96,6 +96,28 @@ def check_acceptance(acceptance, block_size: int) -> list[float]:
     return [float(s) for s in values]
 
 
+def decoder_layer_fields(text_config: PreTrainedConfig) -> dict:
+    """The `XPressConfig` fields a transformers decoder config gives about its decoder layers (widths, heads, norm eps,
+    activation, attention bias, RoPE, positions) and its special tokens; None where it says nothing. A target's
+    (`XPressConfig.from_target_config`) or a dFlash drafter's own (`dflash_formats`)."""
+    heads = text_config.num_attention_heads
+    return dict(
+        hidden_size=text_config.hidden_size,
+        intermediate_size=text_config.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
+        rms_norm_eps=getattr(text_config, "rms_norm_eps", None),
+        hidden_act=getattr(text_config, "hidden_act", None),
+        attention_bias=getattr(text_config, "attention_bias", None),
+        max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
+        rope_parameters=dict(text_config.rope_parameters) if getattr(text_config, "rope_parameters", None) else None,
+        bos_token_id=getattr(text_config, "bos_token_id", None),
+        eos_token_id=getattr(text_config, "eos_token_id", None),
+        pad_token_id=getattr(text_config, "pad_token_id", None),
+    )
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """dFlash's rule for which target layers feed the drafter's context.
 
@@ -137,6 +159,7 @@ class XPressConfig(PreTrainedConfig):
 
     model_type = "xpress"
     keys_to_ignore_at_inference = ["past_key_values"]
+    default_theta = DEFAULT_ROPE_THETA  # the RoPE base transformers' `rope_parameters` rule fills in when none is given
 
     # --- target facts -------------------------------------------------------------------------------------------
     # Size of the target's vocabulary (rows of its input embedding table / lm_head).
@@ -181,12 +204,31 @@ class XPressConfig(PreTrainedConfig):
     # Longest position the rotary embedding is set up for.
     max_position_embeddings: int = 40960
     # RoPE settings as transformers' `rope_parameters`; None → `{"rope_type": "default", "rope_theta":
-    # DEFAULT_ROPE_THETA}` (a flat `rope_theta=` keyword, as older configs carry, is honoured).
+    # DEFAULT_ROPE_THETA}`. The flat `rope_theta=` and `rope_scaling=` keywords of configs saved by transformers 4.x
+    # (`{"type": "yarn", "factor": 4.0, ...}`) are folded into it by transformers' own rule
+    # (`convert_rope_params_to_dict`, which its model configs and vLLM apply too), never dropped.
     rope_parameters: RopeParameters | dict | None = None
     # Bias on the q/k/v/o projections.
     attention_bias: bool = False
     # Dropout on attention weights during training.
     attention_dropout: float = 0.0
+    # Per drafter layer, what its queries see of [context ; block]: None → everything (full attention, dFlash's
+    # default), an integer W → a sliding window of W positions ending at the query's own position (or its block's
+    # anchor, `window_anchored`): keys at positions p with `end - p < W`, transformers' `sliding_window` convention.
+    # None (the field) → every layer full. Released drafters declare it as `layer_types` + `sliding_window`
+    # (`conversion` maps them); it is not stored under those names because they make transformers' caches drop the keys
+    # outside the window, while the drafter's caches keep every context position (a rejected block is rolled back by
+    # cropping them) and the window is a mask by position.
+    attention_windows: list[int | None] | None = None
+    # Whether a windowed layer is also causal inside the block (a block position sees the block positions up to its own):
+    # z-lab's and vLLM's default for sliding layers, and speculators' unless `sliding_window_non_causal`. False → it sees
+    # the whole block (transformers' native dFlash assistant); a window ending at the query must then be >= block_size
+    # (the references disagree on what a shorter one cuts). Full-attention layers always see the whole block.
+    window_causal: bool = True
+    # Where a window ends: False → at each query's own position (z-lab's dFlash, vLLM, transformers); True → at the
+    # block's anchor for every query of the block, the block itself always visible (how speculators trains its
+    # sliding-window layers: the anchor's W - 1 preceding context tokens).
+    window_anchored: bool = False
     # Standard deviation of the normal initialisation of fresh linear layers.
     initializer_range: float = 0.02
 
@@ -252,8 +294,6 @@ class XPressConfig(PreTrainedConfig):
     tree_acceptance: dict[int, float] | None = None
 
     def __post_init__(self, **kwargs):
-        if self.rope_parameters is None:
-            self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", DEFAULT_ROPE_THETA)}
         if self.target_layer_ids is None and self.num_target_layers and self.num_hidden_layers:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         if self.target_layer_ids is not None:
@@ -282,8 +322,10 @@ class XPressConfig(PreTrainedConfig):
                 f"refiner_mlp_hidden={self.refiner_mlp_hidden}: the \"paper\" form's MLP is r -> 2r -> r "
                 f"({2 * self.refiner_rank}); leave it None, or use refiner_form=\"release\""
             )
-        if not isinstance(self.qk_norm, bool):
-            raise ValueError(f"qk_norm must be True or False, got {self.qk_norm!r}")
+        for name in ("qk_norm", "window_causal", "window_anchored"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self.check_attention_windows()
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (an anchor plus at least one draft), got {self.block_size}")
         if self.refiner_rank < 1:
@@ -349,6 +391,30 @@ class XPressConfig(PreTrainedConfig):
                 "pass None to let the drafter learn its own mask vector"
             )
 
+    def check_attention_windows(self) -> None:
+        """`attention_windows` is None or one entry per drafter layer, each None or a window >= 1 (>= block_size for a
+        non-causal window that ends at the query): a ValueError naming the entry otherwise."""
+        windows = self.attention_windows
+        if windows is None:
+            return
+        if not isinstance(windows, (list, tuple)) or len(windows) != self.num_hidden_layers:
+            raise ValueError(
+                f"attention_windows must be None (every layer full) or a list with one entry per drafter layer "
+                f"(num_hidden_layers={self.num_hidden_layers}), each None (full attention) or a window size; got "
+                f"{windows!r}"
+            )
+        bad = [w for w in windows if w is not None and not (is_integer(w) and w >= 1)]
+        if bad:
+            raise ValueError(f"attention_windows entries must be None or integers >= 1, got {bad[0]!r} in {windows!r}")
+        short = [w for w in windows if w is not None and w < self.block_size]
+        if short and not self.window_causal and not self.window_anchored:
+            raise ValueError(
+                f"attention_windows has a window of {short[0]} < block_size ({self.block_size}) with window_causal="
+                "False: z-lab's code and transformers disagree on which block positions such a window hides after "
+                "the query, so no loaded drafter means one function by it. Use a window >= block_size."
+            )
+        self.attention_windows = list(windows)
+
     @property
     def refiner_mlp_width(self) -> int:
         """The xPress head's Trans hidden width: `refiner_mlp_hidden`, or 2 · refiner_rank when it is None."""
@@ -369,25 +435,12 @@ class XPressConfig(PreTrainedConfig):
         chosen number of drafter layers.
         """
         text = target_config.get_text_config(decoder=True)
-        heads = text.num_attention_heads
         derived = dict(
+            decoder_layer_fields(text),
             vocab_size=text.vocab_size,
             target_hidden_size=text.hidden_size,
             num_target_layers=text.num_hidden_layers,
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            rms_norm_eps=getattr(text, "rms_norm_eps", None),
-            hidden_act=getattr(text, "hidden_act", None),
-            attention_bias=getattr(text, "attention_bias", None),
             qk_norm=TARGET_QK_NORM.get(getattr(text, "model_type", None)),
-            max_position_embeddings=getattr(text, "max_position_embeddings", None),
-            rope_parameters=dict(text.rope_parameters) if getattr(text, "rope_parameters", None) else None,
-            bos_token_id=getattr(text, "bos_token_id", None),
-            eos_token_id=getattr(text, "eos_token_id", None),
-            pad_token_id=getattr(text, "pad_token_id", None),
         )
         # What the target does not say falls back to this class's own defaults (declared once, above).
         derived = {k: v for k, v in derived.items() if v is not None or k.endswith("token_id")}
