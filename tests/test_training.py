@@ -478,6 +478,31 @@ def safetensors_keys(folder) -> set[str]:
         return set(f.keys())
 
 
+@pytest.mark.parametrize("train_mode", ["full", "lora"])
+def test_drafter_lr_scale_gives_the_drafter_its_own_rate(tmp_path, train_mode):
+    """drafter_lr_scale: the head's parameters at learning_rate, every other trained parameter at that times the
+    scale, both following the schedule; every trained parameter in exactly one group."""
+    target = tiny_llama()
+    model = tiny_xpress(target, block_size=BLOCK)
+    args = training_args(tmp_path, train_mode=train_mode, learning_rate=1e-3, drafter_lr_scale=0.1, max_steps=6,
+                         warmup_steps=2)  # fmt: skip
+    trainer = XPressTrainer(model=model, target=target, args=args, train_dataset=random_rows([30, 25, 40, 33] * 2))
+    trainer.create_optimizer_and_scheduler(num_training_steps=6)
+    names = {id(p): n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    seen = [id(p) for group in trainer.optimizer.param_groups for p in group["params"]]
+    assert sorted(seen) == sorted(names) and len(seen) == len(set(seen))
+    for group in trainer.optimizer.param_groups:
+        heads = {"refiner." in names[id(p)] for p in group["params"]}
+        assert len(heads) == 1  # a group is all head or all drafter
+        assert group["initial_lr"] == pytest.approx(1e-3 if heads.pop() else 1e-4)
+    assert any("refiner." not in n for n in names.values())  # the drafter is trained in this mode
+    trainer.lr_scheduler.step()
+    rates = sorted({round(group["lr"] / group["initial_lr"], 9) for group in trainer.optimizer.param_groups})
+    assert len(rates) == 1 and 0 < rates[0] < 1  # one schedule for both, in its warm-up
+    with pytest.raises(ValueError, match="drafter_lr_scale"):
+        training_args(tmp_path, drafter_lr_scale=0.0)
+
+
 def test_refiner_mode_trains_only_the_head_and_never_the_target(tmp_path):
     target = tiny_llama()
     model = tiny_xpress(target, block_size=BLOCK)

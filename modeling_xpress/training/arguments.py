@@ -72,6 +72,10 @@ class XPressTrainingArguments(TrainingArguments):
     anchor_weight_start: float = field(default=0.6, metadata={"help": "Drafter-anchor weight at the first step."})
     # … annealed linearly to this value at the last step.
     anchor_weight_floor: float = field(default=0.2, metadata={"help": "Drafter-anchor weight at the last step."})
+    # The drafter's learning rate as a fraction of `learning_rate` (the head's), when both are trained (the authors'
+    # --drafter-lr-scale; their released run used 1, one rate for both). Below 1 the warm-started drafter moves less
+    # while a fresh head learns at the full rate.
+    drafter_lr_scale: float = field(default=1.0, metadata={"help": "Drafter learning rate / head learning rate."})
     # What is trained: "refiner" (drafter frozen), "full" (refiner + whole drafter, the paper's co-training) or
     # "lora" (refiner + LoRA adapters on the drafter's projections, merged into every saved checkpoint).
     train_mode: str = field(default="full", metadata={"help": f"One of {TRAIN_MODES}."})
@@ -105,6 +109,8 @@ class XPressTrainingArguments(TrainingArguments):
         """Raise a `ValueError` naming the first xPress field whose value cannot work."""
         check_int("anchors_per_sequence", self.anchors_per_sequence, 1)
         check_int("consistency_rounds", self.consistency_rounds, 0)
+        if not (self.drafter_lr_scale > 0 and math.isfinite(self.drafter_lr_scale)):
+            raise ValueError(f"drafter_lr_scale must be a finite number > 0, got {self.drafter_lr_scale}")
         if self.loss_gamma is not None and not self.loss_gamma > 0:
             raise ValueError(f"loss_gamma must be > 0 (or None for 7 · block_size / 16), got {self.loss_gamma}")
         for name in ("ce_weight", "l1_weight", "consistency_weight", "anchor_weight_start", "anchor_weight_floor"):

@@ -223,6 +223,29 @@ class XPressTrainer(Trainer):
             self.target.to(self.args.device)
         self._metric_sums: dict[str, dict[str, torch.Tensor]] = {"train": {}, "eval": {}}
 
+    # --- optimizer ---------------------------------------------------------------------------------------------------
+
+    def create_optimizer(self, model=None):
+        """transformers' optimizer, its groups split into the head's parameters (at `learning_rate`) and the drafter's
+        (at `learning_rate × drafter_lr_scale`) when the scale is not 1; the schedule then scales both alike."""
+        optimizer = super().create_optimizer(model)
+        scale = self.args.drafter_lr_scale
+        if scale == 1.0:
+            return optimizer
+        head = {id(p) for name, p in self.model.named_parameters() if "refiner." in name}
+        groups = []
+        for group in optimizer.param_groups:
+            settings = {k: v for k, v in group.items() if k != "params"}
+            for is_head in (True, False):
+                params = [p for p in group["params"] if (id(p) in head) == is_head]
+                if params:
+                    lr = settings["lr"] * (1.0 if is_head else scale)
+                    groups.append({**settings, "params": params, "lr": lr, "initial_lr": lr})
+        optimizer.param_groups.clear()  # before the first step: no state yet
+        for group in groups:
+            optimizer.add_param_group(group)
+        return optimizer
+
     # --- loss and logs -----------------------------------------------------------------------------------------------
 
     def current_anchor_weight(self) -> float:
