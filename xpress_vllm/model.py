@@ -155,12 +155,13 @@ class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
         return scatter_vocabulary(self.draft_logits(hidden_states), self.draft_token_ids, self.xpress_config.vocab_size,
                                   fill=float("-inf"))  # fmt: skip
 
-    def draft(self, hidden: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor | None):
+    def draft(self, hidden: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor | None,
+              noise_seeds: dict[int, int] | None = None):
         """Each request's proposal from its K drafter states (b, K, H) and anchor (b,): `refine.refine_proposals`."""
         b, k, width = hidden.shape
         base = self.draft_logits(hidden.reshape(b * k, width)).view(b, k, -1)
         return refine_proposals(self.refiner, self.xpress_config, hidden, base, anchors, self.draft_token_ids,
-                                temperature)  # fmt: skip
+                                temperature, noise_seeds=noise_seeds)  # fmt: skip
 
 
 __all__ = ["XPressDFlashForCausalLM", "XPressDFlashModel"]
