@@ -121,10 +121,10 @@ def best_cap(acceptance: Sequence[float], draft_seconds: float, verify_seconds: 
 
 def candidate_caps(acceptance: Sequence[float], most: int) -> list[int]:
     """The caps worth timing among 1..`most`: each one's E(c) at least `tuning.MIN_ADVANTAGE` above the last kept
-    cap's (E(0) = 1). A cap left out commits fewer than that much more tokens than a shorter kept one, and costs at
-    least as much (verifying more tokens is never cheaper: the few-row layouts see to it), so it could not be
-    resolvably faster than it and would never be chosen; leaving it out saves its timing. The bundled checkpoint's
-    15 caps come down to 6 (1, 2, 3, 4, 7, 14)."""
+    cap's (E(0) = 1). A cap left out commits fewer than that much more tokens than a shorter kept one and, verifying
+    more tokens, costs at least as much (an assumption: input-major products over 3 rows could cost more than over 4,
+    the cliff the few-row layouts remove), so it could not be resolvably faster and would not be chosen; leaving it
+    out saves its timing. The bundled checkpoint's 15 caps come down to 6 (1, 2, 3, 4, 7, 14)."""
     caps, last = [], 1.0
     for c in range(1, most + 1):
         if expected_tokens(acceptance, c) >= (1 + MIN_ADVANTAGE) * last:
@@ -159,11 +159,12 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     `candidate_caps` of 1..min(n, `max_cap`, block_size - 1). `compiled`: time the products in the layouts
     `spec_generate(compile=True, linear_layout=...)`'s graphs will use, else in the eager loops' (the loops' own
     `layout_policy.decoder_policy`). The timed rounds are kept in this machine's record (`tuning.Records`, under
-    `$XPRESS_CACHE/choices/`), so only the first process times them: on a 2-core CPU with SmolLM2 in fp32, about
-    10 s eager and 20 s compiled, nothing else running; at most `tuning.MIN_ROUNDS` rounds plus
-    `tuning.BUDGET_SECONDS` on a busy machine, whose measurement is used but not kept. Each (models, setting, thread
-    count) is resolved once per process; `remeasure=True` (or `XPRESS_REMEASURE=1`) times again and replaces the
-    record.
+    `$XPRESS_CACHE/choices/`), so only the first process times them: the layouts' decisions, a warm-up and
+    `tuning.MIN_ROUNDS` rounds, then more for up to `tuning.BUDGET_SECONDS` (SmolLM2 fp32 on two cores at load 5-7:
+    27-37 s eager, 83-101 s compiled; not measured idle); a later process reads the record (0.05 s). A measurement
+    that is too noisy, or made while other jobs held the cores (then: the fewest drafts), is used but not kept. Each
+    (models, setting, thread count) is resolved once per process; `remeasure=True` (or `XPRESS_REMEASURE=1`) times
+    again and replaces the record.
     """
     block = xpress.config.block_size
     if acceptance is None:

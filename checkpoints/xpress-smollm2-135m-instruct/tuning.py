@@ -2,9 +2,9 @@
 machine and models in the cache directory that later processes reuse instead of timing again.
 
 `draft_cap.choose_draft_cap` and `choose_draft_shape` time a few candidate settings (drafts per block, tree budgets)
-and want the one with the most tokens per second. Timings on a shared CPU are noisy: the same products took 32 ms in
-one process and 28 ms in the next, so a choice made from one timing each flipped between processes on a difference of
-a few percent. Here:
+and want the one with the most tokens per second. Timings on a shared CPU are noisy (issue 49's probe: in one table,
+verifying 2 drafts 32.3 ms and 3 drafts 27.6 ms), so a choice made from one timing each flipped between processes on
+differences of a few percent (1, 2 or 3 drafts; a 4-node tree or linear blocks). Here:
 
 * **Repeats and paired rounds** (`measure_rounds`): every candidate's jobs are timed once per round, in turn, for at
   least `MIN_ROUNDS` rounds and more while `BUDGET_SECONDS` lasts (at most `MAX_ROUNDS`). A candidate is compared
