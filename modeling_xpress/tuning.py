@@ -72,7 +72,16 @@ def cache_dir() -> Path:
 
 
 def remeasure_requested() -> bool:
+    """`XPRESS_REMEASURE` set to anything but "" or "0"."""
     return os.environ.get(REMEASURE_ENV_VAR, "") not in ("", "0")
+
+
+def check_remeasure(remeasure) -> None:
+    if not isinstance(remeasure, bool):
+        raise ValueError(
+            f"remeasure must be True (time again and replace this machine's record) or False (read the record where "
+            f"there is one), got {remeasure!r}"
+        )
 
 
 # --- comparing timed candidates ---------------------------------------------------------------------------------
@@ -293,6 +302,7 @@ def timed_choice(kind: str, key: dict, measure: Callable[[int], list[list[float]
 __all__ = [
     "BUDGET_SECONDS", "CACHE_ENV_VAR", "Comparison", "MIN_ADVANTAGE", "MIN_CPU_SHARE", "RECORD_NOISE",
     "REMEASURE_ENV_VAR", "Records",
-    "Timed", "cache_dir", "compare", "machine", "measure_rounds", "models_digest", "remeasure_requested",
+    "Timed", "cache_dir", "check_remeasure", "compare", "machine", "measure_rounds", "models_digest",
+    "remeasure_requested",
     "timed_choice",
 ]  # fmt: skip

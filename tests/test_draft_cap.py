@@ -150,6 +150,8 @@ def test_auto_needs_a_measured_acceptance():
         xpress.spec_generate(target, IDS, max_new_tokens=4, num_assistant_tokens="fast")
     with pytest.raises(ValueError, match="max_cap"):
         xpress.choose_draft_cap(target, acceptance=[0.5], max_cap=0)
+    with pytest.raises(ValueError, match="remeasure must be True.*got 'yes'"):
+        xpress.choose_draft_cap(target, acceptance=[0.5], remeasure="yes")
 
 
 # --- draft trees: tree_nodes="auto" ----------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from .layout_policy import decoder_policy
 from .policy import time_rounds
 from .refinement import RefinementResult
 from .trees import build_tree
-from .tuning import MIN_ADVANTAGE, Comparison, compare, machine, models_digest, timed_choice
+from .tuning import MIN_ADVANTAGE, Comparison, check_remeasure, compare, machine, models_digest, timed_choice
 
 
 @dataclass
@@ -178,6 +178,7 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     acceptance = check_acceptance(acceptance, block)
     if max_cap is not None and (not isinstance(max_cap, int) or max_cap < 1):
         raise ValueError(f"max_cap must be a positive integer or None, got {max_cap!r}")
+    check_remeasure(remeasure)
     caps = candidate_caps(acceptance, min(len(acceptance), block - 1, max_cap or block))
     key = (id(target), tuple(acceptance), compiled, linear_layout, tuple(caps), torch.get_num_threads(),
            target.dtype, xpress.dtype, target.device)  # fmt: skip
@@ -268,6 +269,7 @@ def choose_draft_shape(xpress, target, *, compiled: bool = True, linear_layout: 
             "cost: pass an integer tree_nodes, or measure it on held-out prompts (examples/tree_benchmark.py) and set "
             "xpress.config.tree_acceptance = {N: tokens per verification, ...}"
         )
+    check_remeasure(remeasure)
     linear = choose_draft_cap(xpress, target, compiled=compiled, linear_layout=linear_layout, remeasure=remeasure)
     key = ("trees", id(target), tuple(acceptance.items()), linear.cap, compiled, linear_layout,
            torch.get_num_threads(), target.dtype, xpress.dtype, target.device)  # fmt: skip
