@@ -92,7 +92,6 @@ class XPressDFlashProposer(DFlashProposer):
                                     self._noise_seeds(sampling_metadata, b, k) if sampled else None)  # fmt: skip
         return tokens.reshape(-1), None if probs is None else probs.view(b * k, -1)
 
-
     def _noise_seeds(self, sampling_metadata, b: int, k: int) -> dict[int, int]:
         """Batch index → the seed of its draft noise this step, for the requests with a `seed` (vLLM's per-request
         generators): `refine.draft_noise_seed` of the request's seed and its anchor's position."""

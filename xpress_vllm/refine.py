@@ -46,9 +46,9 @@ def refine_proposals(head, config: XPressConfig, hidden: torch.Tensor, base: tor
     draft vocabulary `token_ids` (the whole vocabulary when None); anchors: (b,) each request's last committed token;
     temperature: (b,) per request when vLLM samples drafts (`draft_sample_method="probabilistic"`), else None
     (greedy); noise: (b, K, V_d) Gumbel noise (drawn here when None: `proposal_noise`, seeded per request by
-    `noise_seeds`). Returns draft token ids (b, K) and, when
-    sampling, q (b, K, V) over the target vocabulary: q_k = softmax((s_k + δ_k(y_<k)) / T), the distribution y_k was
-    drawn from given the request's own drafted prefix y_<k.
+    `noise_seeds`). Returns draft token ids (b, K) and, when sampling, q (b, K, V) over the target vocabulary:
+    q_k = softmax((s_k + δ_k(y_<k)) / T), the distribution y_k was drawn from given the request's own drafted prefix
+    y_<k.
 
     Greedy: the Jacobi fixed point of y_k = argmax(s_k + δ_k(y_<k)), the sequential decode. Sampling: the same
     iteration on (s_k + δ_k) / T + G_k with G fixed per block, so y_k is a draw from q_k given y_<k. vLLM's rejection
