@@ -146,7 +146,7 @@ def main() -> None:
     if "auto" in caps + caps_off:  # timed once here; spec_generate(num_assistant_tokens="auto") reuses it
         choice = xpress.choose_draft_cap(target, compiled=args.compile)
         print(f"num_assistant_tokens='auto' on this machine:\n{choice.table()}")
-        auto_choice = {"cap": choice.cap, "draft_acceptance": xpress.config.draft_acceptance,
+        auto_choice = {"cap": choice.cap, "draft_acceptance": xpress.config.draft_acceptance, "caps": choice.caps,
                        "expected_tokens": choice.expected_tokens, "verify_seconds": choice.verify_seconds,
                        "draft_seconds": choice.draft_seconds, "compiled": choice.compiled}  # fmt: skip
     entries = ["plain"] + [s["name"] for s in settings]

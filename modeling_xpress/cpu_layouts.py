@@ -19,6 +19,7 @@ This file travels with every saved checkpoint; it imports only torch and its sib
 
 import contextlib
 import re
+import statistics
 import weakref
 from typing import Sequence
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .policy import LinearPolicy, product_sweeps, time_sweeps, timing_input
+from .policy import LinearPolicy, product_sweeps, time_rounds, timing_input
 from .stats import median_seconds
 
 # Weight-major (or packed) is chosen only if the timed products are at least 1.25× faster that way: the microbenchmark
@@ -286,24 +287,29 @@ def check_packed_layout(weights) -> None:
 
 
 @torch.no_grad()
-def products_seconds(jobs: Sequence[tuple[Sequence[torch.Tensor], int, str]], *, repeats: int = 5) -> list[float]:
-    """Median seconds of each job (weights, rows, layout): one pass of `rows` input rows through every weight in
-    turn, as a forward multiplies them (each weight once, so they stream from memory), in that layout: `F.linear(x,
-    W)`, `(W @ x.T).T` ("weight_major") or W's MKL pack for that many rows ("packed"). The unpacked jobs are timed in
-    turn (`layout_policy.time_sweeps`), so a drift in the machine's speed hits them alike; each packed job is timed
-    alone, between packing its weights and dropping the packs it made, so at most one extra copy of the weights is
-    held."""
+def products_samples(jobs: Sequence[tuple[Sequence[torch.Tensor], int, str]], *, rounds: int = 5) -> list[list[float]]:
+    """Seconds of each job (weights, rows, layout) in each of `rounds` rounds: one pass of `rows` input rows through
+    every weight in turn, as a forward multiplies them (each weight once, so they stream from memory), in that layout:
+    `F.linear(x, W)`, `(W @ x.T).T` ("weight_major") or W's MKL pack for that many rows ("packed"). The unpacked jobs
+    are timed in turn, round by round (`policy.time_rounds`), so a drift in the machine's speed hits them alike; each
+    packed job is timed alone, its rounds between packing its weights and dropping the packs it made, so at most one
+    extra copy of the weights is held."""
     product = {"input_major": F.linear, "weight_major": lambda x, w: torch.mm(w, x.t()), "packed": packed_linear}
     sweeps = product_sweeps([(weights, rows, product[kind]) for weights, rows, kind in jobs])
     device = jobs[0][0][0].device
     in_turn = [i for i, job in enumerate(jobs) if job[2] != "packed"]
-    seconds = dict(zip(in_turn, time_sweeps([sweeps[i] for i in in_turn], device, repeats)))
+    samples = dict(zip(in_turn, time_rounds([sweeps[i] for i in in_turn], device, rounds)))
     for i, (weights, rows, kind) in enumerate(jobs):
         if kind == "packed":
             new = pack_weights(weights, rows)
-            seconds[i] = time_sweeps([sweeps[i]], device, repeats)[0]
+            samples[i] = time_rounds([sweeps[i]], device, rounds)[0]
             release_packed_weights(new, rows)
-    return [seconds[i] for i in range(len(jobs))]
+    return [samples[i] for i in range(len(jobs))]
+
+
+def products_seconds(jobs: Sequence[tuple[Sequence[torch.Tensor], int, str]], *, repeats: int = 5) -> list[float]:
+    """Median seconds of each job (`products_samples`)."""
+    return [statistics.median(times) for times in products_samples(jobs, rounds=repeats)]
 
 
 class CpuLinearPolicy(LinearPolicy):
@@ -341,8 +347,8 @@ class CpuLinearPolicy(LinearPolicy):
     def mode(self, group: str, rows: int, max_rows: int):
         return linear_mode(self.kinds.get((group, rows), "input_major"), max_rows)
 
-    def products_seconds(self, jobs, *, repeats: int = 5) -> list[float]:
-        return products_seconds([(self.weights[group], rows, self.kind(group, rows)) for group, rows in jobs],
-                                repeats=repeats)  # fmt: skip
+    def products_samples(self, jobs, *, rounds: int = 5) -> list[list[float]]:
+        return products_samples([(self.weights[group], rows, self.kind(group, rows)) for group, rows in jobs],
+                                rounds=rounds)  # fmt: skip
 
 

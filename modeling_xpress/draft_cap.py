@@ -14,7 +14,9 @@ its matrix products, and how their cost grows with the row count depends on the 
 Xeon, MKL's fp32 product over 4 rows cost twice its 1-row cost input-major, and about 1.2x with MKL-packed weights;
 on an AMD EPYC, weight-major, about the same). So
 `choose_draft_cap` times those products here, on the models' own weights, and takes the c with the most expected
-tokens per second: E(c) / (drafter + verification(c + 1)).
+tokens per second: E(c) / (drafter + verification(c + 1)); of caps within the timing's noise of the fastest, the fewest
+drafts. How the timing is made stable (repeated rounds, a paired noise check, a record per machine and models that
+later processes read instead of timing again) is `tuning.py`.
 
 The timing is of the products only (every `nn.Linear` weight once, in order, so the weights stream from memory as in
 a forward, in the layout the compiled graphs will use): attention, norms, the head's decode and the loop's own work
@@ -25,6 +27,7 @@ This file travels with every saved checkpoint; it imports only torch, transforme
 """
 
 import math
+import statistics
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -33,23 +36,33 @@ import torch
 
 from .configuration_xpress import check_acceptance, is_integer, is_real
 from .layout_policy import decoder_policy
-from .policy import time_sweeps
-from .trees import build_tree
+from .policy import time_rounds
 from .refinement import RefinementResult
+from .trees import build_tree
+from .tuning import MIN_ADVANTAGE, Comparison, check_remeasure, compare, machine, models_digest, timed_choice
 
 
 @dataclass
 class DraftCapChoice:
-    """What `choose_draft_cap` measured: per candidate cap c = 1..len(expected_tokens), the expected tokens per block
-    E(c) and the estimated seconds per block: the fixed `draft_seconds` (the drafter's products over the block) plus
-    `verify_seconds[c - 1]` (the readout of c drafts and the verification's products over c + 1 tokens); and the cap
-    with the most tokens per second."""
+    """What `choose_draft_cap` measured, or read from this machine's record. Per candidate cap (`caps`, fewer drafts
+    first: `candidate_caps`) the expected tokens per block E(c) and the median seconds per block: the fixed
+    `draft_seconds` (the drafter's products over the block) plus `verify_seconds[i]` (the readout of c drafts and the
+    verification's products over c + 1 tokens). `comparison` compares their tokens per second round by round
+    (`tuning.compare`); `cap` is the one it chose: the fewest drafts not resolvably slower than the fastest.
+    `measure_seconds`: the timing this call did (0 when it read `record`); `record`: the file the rounds were read
+    from or written to (None: not kept, `why_not` says why)."""
 
     cap: int
+    caps: list[int]
     expected_tokens: list[float]
     verify_seconds: list[float]
     draft_seconds: float
     compiled: bool
+    comparison: Comparison
+    rounds: int
+    measure_seconds: float
+    record: str | None
+    why_not: str | None = None
 
     @property
     def tokens_per_second(self) -> list[float]:
@@ -57,12 +70,21 @@ class DraftCapChoice:
 
     def table(self) -> str:
         """One line per candidate cap, the chosen one marked."""
-        lines = [f"drafter step (products) {1e3 * self.draft_seconds:.1f} ms per block"]
-        for c, (e, v, r) in enumerate(zip(self.expected_tokens, self.verify_seconds, self.tokens_per_second), 1):
+        lines = [f"drafter step (products) {1e3 * self.draft_seconds:.1f} ms per block; {_provenance(self)}"]
+        for i, (c, e, v, r) in enumerate(zip(self.caps, self.expected_tokens, self.verify_seconds,
+                                             self.tokens_per_second)):  # fmt: skip
             mark = "  <- chosen" if c == self.cap else ""
             lines.append(f"{c:>2} drafts: {e:.2f} tokens per block, verification products {1e3 * v:.1f} ms, "
-                         f"{r:.1f} tokens/s (products only){mark}")  # fmt: skip
+                         f"{r:.1f} tokens/s (products only; {self.comparison.note(i)}){mark}")  # fmt: skip
         return "\n".join(lines)
+
+
+def _provenance(choice) -> str:
+    rounds = f"medians of {choice.rounds} rounds"
+    if not choice.measure_seconds:
+        return f"{rounds} read from {choice.record}"
+    kept = f"kept in {choice.record}" if choice.record else f"{choice.why_not} (the next process measures again)"
+    return f"{rounds} timed here in {choice.measure_seconds:.1f} s, {kept}"
 
 
 def acceptance_from_blocks(acceptance_lengths: Sequence[int], draft_lengths: Sequence[int], block_size: int) -> list[float]:
@@ -90,10 +112,33 @@ def expected_tokens(acceptance: Sequence[float], cap: int) -> float:
 
 
 def best_cap(acceptance: Sequence[float], draft_seconds: float, verify_seconds: Sequence[float]) -> int:
-    """The cap c in 1..len(verify_seconds) with the most expected tokens per second, E(c) / (draft + verify[c - 1]);
-    the shorter cap on a tie."""
-    rates = [expected_tokens(acceptance, c) / (draft_seconds + v) for c, v in enumerate(verify_seconds, 1)]
-    return max(range(len(rates)), key=lambda i: (rates[i], -i)) + 1
+    """The cap `choose_draft_cap` takes on one set of costs, `verify_seconds[c - 1]` for caps c = 1, 2, ...: the fewest
+    drafts whose expected tokens per second, E(c) / (draft + verify[c - 1]), are within `tuning.MIN_ADVANTAGE` of the
+    most (`tuning.compare` of a single round, which has no spread to widen that)."""
+    rates = [[expected_tokens(acceptance, c) / (draft_seconds + v)] for c, v in enumerate(verify_seconds, 1)]
+    return compare(rates).chosen + 1
+
+
+def candidate_caps(acceptance: Sequence[float], most: int) -> list[int]:
+    """The caps worth timing among 1..`most`: each one's E(c) at least `tuning.MIN_ADVANTAGE` above the last kept
+    cap's (E(0) = 1). A cap left out commits fewer than that much more tokens than a shorter kept one and, verifying
+    more tokens, costs at least as much (an assumption: input-major products over 3 rows could cost more than over 4,
+    the cliff the few-row layouts remove), so it could not be resolvably faster and would not be chosen; leaving it
+    out saves its timing. The bundled checkpoint's 15 caps come down to 6 (1, 2, 3, 4, 7, 14)."""
+    caps, last = [], 1.0
+    for c in range(1, most + 1):
+        if expected_tokens(acceptance, c) >= (1 + MIN_ADVANTAGE) * last:
+            caps.append(c)
+            last = expected_tokens(acceptance, c)
+    return caps or [1]
+
+
+def _record_key(xpress, target, compiled: bool, linear_layout: str, jobs) -> dict:
+    """What the timings of `jobs` depend on: this machine, the models' shapes and dtypes, the loop's layouts."""
+    config = xpress.config
+    return {"machine": machine(target.device), "models": models_digest(target, xpress), "compiled": compiled,
+            "linear_layout": linear_layout, "head": [config.refiner, config.jacobi_max_iters],
+            "jobs": [list(job) for job in jobs]}  # fmt: skip
 
 
 def _kept_choices(xpress) -> dict:
@@ -106,14 +151,20 @@ def _kept_choices(xpress) -> dict:
 
 
 def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = None, compiled: bool = True,
-                     linear_layout: str = "auto", max_cap: int | None = None, repeats: int = 5) -> DraftCapChoice:  # fmt: skip
-    """The number of drafts per block with the most expected tokens per second on this machine (module docstring).
+                     linear_layout: str = "auto", max_cap: int | None = None, remeasure: bool = False) -> DraftCapChoice:  # fmt: skip
+    """The number of drafts per block with the most expected tokens per second on this machine (module docstring);
+    of caps within the noise of the fastest, the fewest drafts (`tuning`).
 
-    `acceptance`: s_1..s_n (default: the checkpoint's `config.draft_acceptance`); candidates are 1..min(n, `max_cap`,
-    block_size - 1). `compiled`: time the products in the layouts `spec_generate(compile=True, linear_layout=...)`'s
-    graphs will use, else in the eager loops' (the loops' own `layout_policy.decoder_policy`).
-    Each (models, setting, thread count) is timed once per process: a few seconds on a 2-core CPU for SmolLM2 and 15
-    candidates.
+    `acceptance`: s_1..s_n (default: the checkpoint's `config.draft_acceptance`); candidates are
+    `candidate_caps` of 1..min(n, `max_cap`, block_size - 1). `compiled`: time the products in the layouts
+    `spec_generate(compile=True, linear_layout=...)`'s graphs will use, else in the eager loops' (the loops' own
+    `layout_policy.decoder_policy`). The timed rounds are kept in this machine's record (`tuning.Records`, under
+    `$XPRESS_CACHE/choices/`), so only the first process times them: the layouts' decisions, a warm-up and
+    `tuning.MIN_ROUNDS` rounds, then more for up to `tuning.BUDGET_SECONDS` (SmolLM2 fp32 on two cores at load 5-7:
+    27-37 s eager, 83-101 s compiled; not measured idle); a later process reads the record (0.05 s). A measurement
+    that is too noisy, or made while other jobs held the cores (then: the fewest drafts), is used but not kept. Each
+    (models, setting, thread count) is resolved once per process; `remeasure=True` (or `XPRESS_REMEASURE=1`) times
+    again and replaces the record.
     """
     block = xpress.config.block_size
     if acceptance is None:
@@ -127,66 +178,90 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     acceptance = check_acceptance(acceptance, block)
     if max_cap is not None and (not isinstance(max_cap, int) or max_cap < 1):
         raise ValueError(f"max_cap must be a positive integer or None, got {max_cap!r}")
-    candidates = min(len(acceptance), block - 1, max_cap or block)
-    key = (id(target), tuple(acceptance), compiled, linear_layout, candidates, torch.get_num_threads(),
+    check_remeasure(remeasure)
+    caps = candidate_caps(acceptance, min(len(acceptance), block - 1, max_cap or block))
+    key = (id(target), tuple(acceptance), compiled, linear_layout, tuple(caps), torch.get_num_threads(),
            target.dtype, xpress.dtype, target.device)  # fmt: skip
     kept = _kept_choices(xpress).get(key)
-    if kept is not None and kept[0]() is target:
+    if kept is not None and kept[0]() is target and not remeasure:
         return kept[1]
 
     policy = decoder_policy(linear_layout, target, xpress, compiled=compiled)  # the loop's own layouts
     jobs = [("drafter", block)]
-    for cap in range(1, candidates + 1):  # the verification over cap + 1 tokens, the readout of cap drafts
+    for cap in caps:  # the verification over cap + 1 tokens, the readout of cap drafts
         jobs += [("verify", cap + 1), ("head", cap)]
-    seconds = policy.products_seconds(jobs, repeats=repeats)
-    draft_seconds = seconds[0]
-    verify_seconds = [seconds[2 * c - 1] + seconds[2 * c] for c in range(1, candidates + 1)]
+    expected = [expected_tokens(acceptance, c) for c in caps]
+
+    def decide(samples):  # per round: E(c) / (drafter + verification + readout)
+        drafter = samples[0]
+        return compare([[e / sum(parts) for parts in zip(drafter, samples[2 * i + 1], samples[2 * i + 2])]
+                        for i, e in enumerate(expected)])  # fmt: skip
+
+    timed = timed_choice("draft-cap", _record_key(xpress, target, compiled, linear_layout, jobs),
+                         lambda rounds: policy.products_samples(jobs, rounds=rounds), decide,
+                         remeasure=remeasure)  # fmt: skip
+    seconds = timed.medians
     choice = DraftCapChoice(
-        cap=best_cap(acceptance, draft_seconds, verify_seconds),
-        expected_tokens=[expected_tokens(acceptance, c) for c in range(1, candidates + 1)],
-        verify_seconds=verify_seconds,
-        draft_seconds=draft_seconds,
-        compiled=compiled,
-    )
+        cap=caps[timed.comparison.chosen], caps=caps, expected_tokens=expected,
+        verify_seconds=[seconds[2 * i + 1] + seconds[2 * i + 2] for i in range(len(caps))],
+        draft_seconds=seconds[0], compiled=compiled, comparison=timed.comparison, rounds=timed.rounds,
+        measure_seconds=timed.measure_seconds, record=timed.record, why_not=timed.why_not,
+    )  # fmt: skip
     _kept_choices(xpress)[key] = (weakref.ref(target), choice)
     return choice
 
 
 @dataclass
 class DraftShapeChoice:
-    """What `choose_draft_shape` measured: the linear choice (`linear`, a `DraftCapChoice`) and, per tree budget N of
-    the checkpoint's `tree_acceptance`, the estimated seconds of a tree step (the drafter's products, the readout of
-    every draft position, the construction of N nodes, the verification's products over N + 1 tokens) and its expected
-    tokens per second; `tree_nodes` the budget that beats the linear choice most, or None where none beats it."""
+    """What `choose_draft_shape` measured, or read from this machine's record: linear blocks (`linear`, the
+    `DraftCapChoice` made here) at the caps `lines` (its chosen cap, and its fastest where that differs), their step's
+    median seconds `line_seconds`, and per tree budget N of the checkpoint's `tree_acceptance` the median seconds of a
+    tree step (the drafter's products, the readout of every draft position, the construction of N nodes, the
+    verification's products over N + 1 tokens); `comparison` of their tokens per second round by round, the lines
+    first, then the budgets from the smallest (`tuning.compare`); `tree_nodes` the budget it chose, or None for linear
+    blocks (at `linear.cap`). `measure_seconds` and `record` as in `DraftCapChoice`."""
 
     tree_nodes: int | None
     linear: DraftCapChoice
+    lines: list[int]
+    line_seconds: list[float]
     tree_tokens: dict[int, float]
     tree_seconds: dict[int, float]
+    comparison: Comparison
+    rounds: int
+    measure_seconds: float
+    record: str | None
+    why_not: str | None = None
 
     @property
     def tree_rates(self) -> dict[int, float]:
         return {n: self.tree_tokens[n] / self.tree_seconds[n] for n in self.tree_tokens}
 
     def table(self) -> str:
-        linear = self.linear.tokens_per_second[self.linear.cap - 1]
-        mark = "  <- chosen" if self.tree_nodes is None else ""
-        lines = [f"linear blocks, {self.linear.cap} drafts: {self.linear.expected_tokens[self.linear.cap - 1]:.2f} "
-                 f"tokens per step, {linear:.1f} tokens/s (products only){mark}"]  # fmt: skip
-        for n, rate in self.tree_rates.items():
+        lines = [_provenance(self)]
+        for i, (cap, seconds) in enumerate(zip(self.lines, self.line_seconds)):
+            tokens = self.linear.expected_tokens[self.linear.caps.index(cap)]
+            mark = "  <- chosen" if self.tree_nodes is None and cap == self.linear.cap else ""
+            lines.append(f"linear blocks, {cap} drafts: {tokens:.2f} tokens per step, step {1e3 * seconds:.1f} ms, "
+                         f"{tokens / seconds:.1f} tokens/s (products only; {self.comparison.note(i)}){mark}")  # fmt: skip
+        for i, (n, rate) in enumerate(self.tree_rates.items(), len(self.lines)):
             mark = "  <- chosen" if n == self.tree_nodes else ""
             lines.append(f"tree of {n:>3} nodes: {self.tree_tokens[n]:.2f} tokens per step, step "
-                         f"{1e3 * self.tree_seconds[n]:.1f} ms, {rate:.1f} tokens/s (products and construction){mark}")  # fmt: skip
+                         f"{1e3 * self.tree_seconds[n]:.1f} ms, {rate:.1f} tokens/s (products and construction; "
+                         f"{self.comparison.note(i)}){mark}")  # fmt: skip
         return "\n".join(lines)
 
 
 def choose_draft_shape(xpress, target, *, compiled: bool = True, linear_layout: str = "auto",
-                       repeats: int = 5) -> DraftShapeChoice:  # fmt: skip
+                       remeasure: bool = False) -> DraftShapeChoice:  # fmt: skip
     """`tree_nodes="auto"`: a draft tree of the budget with the most expected tokens per second on this machine, or
-    linear blocks (None) where no tree beats the linear cap chosen here (`choose_draft_cap`). τ per budget is the
+    linear blocks (None, at the cap chosen here: `choose_draft_cap`) where no tree is resolvably faster than the best
+    linear cap; of settings within the noise of the fastest, linear blocks, then the smallest tree (`tuning`). So a
+    busy machine, whose cap falls back on fewer drafts, does not hand the win to a tree. τ per budget is the
     checkpoint's `config.tree_acceptance`; the costs are the loop's products timed in its own layouts, as for the cap,
-    plus the tree's construction (the head on each node's path), timed on this drafter. On a GPU, where verifying
-    more tokens costs little, that is the largest budget that pays; on a CPU in fp32 often none."""
+    plus the tree's construction (the head on each node's path), timed on this drafter, all in the same rounds and
+    kept in this machine's record like the cap's. On a GPU, where verifying more tokens costs little, that is the
+    largest budget that pays; on a CPU in fp32 often none."""
     acceptance = getattr(xpress.config, "tree_acceptance", None)
     if acceptance is None:
         raise ValueError(
@@ -194,29 +269,56 @@ def choose_draft_shape(xpress, target, *, compiled: bool = True, linear_layout: 
             "cost: pass an integer tree_nodes, or measure it on held-out prompts (examples/tree_benchmark.py) and set "
             "xpress.config.tree_acceptance = {N: tokens per verification, ...}"
         )
-    linear = choose_draft_cap(xpress, target, compiled=compiled, linear_layout=linear_layout, repeats=repeats)
-    key = ("trees", id(target), tuple(acceptance.items()), compiled, linear_layout, torch.get_num_threads(),
-           target.dtype, xpress.dtype, target.device)  # fmt: skip
+    check_remeasure(remeasure)
+    linear = choose_draft_cap(xpress, target, compiled=compiled, linear_layout=linear_layout, remeasure=remeasure)
+    key = ("trees", id(target), tuple(acceptance.items()), linear.cap, compiled, linear_layout,
+           torch.get_num_threads(), target.dtype, xpress.dtype, target.device)  # fmt: skip
     kept = _kept_choices(xpress).get(key)
-    if kept is not None and kept[0]() is target:
+    if kept is not None and kept[0]() is target and not remeasure:
         return kept[1]
-    n = xpress.config.block_size - 1
+    block, n = xpress.config.block_size, xpress.config.block_size - 1
     policy = decoder_policy(linear_layout, target, xpress, compiled=compiled)
-    budgets = list(acceptance)
-    products = policy.products_seconds([("head", n)] + [("verify", b + 1) for b in budgets], repeats=repeats)
+    budgets = sorted(acceptance)
+    # Linear blocks at the cap chosen here and at the fastest cap (when they differ): a tree must be resolvably faster
+    # than the best line, not only than the simplest one the cap's noise allowed.
+    lines = sorted({linear.cap, linear.caps[linear.comparison.fastest]})
+    jobs = [("drafter", block), *[job for c in lines for job in (("verify", c + 1), ("head", c))], ("head", n),
+            *[("verify", b + 1) for b in budgets]]  # fmt: skip
     generator = torch.Generator(device=xpress.device).manual_seed(0)  # not the caller's random state
     hidden = torch.randn(1, n, xpress.config.hidden_size, generator=generator, device=xpress.device)
     width = xpress.config.draft_vocab_size or xpress.config.vocab_size
     base = torch.randn(1, n, width, generator=generator, device=xpress.device) * 4
-    with torch.no_grad():
-        build = time_sweeps([lambda b=b: build_tree(xpress, hidden.to(xpress.dtype), base, 0, b) for b in budgets],
-                            xpress.device, repeats)  # fmt: skip
-    seconds = {b: linear.draft_seconds + products[0] + products[1 + i] + build[i] for i, b in enumerate(budgets)}
-    rates = {b: acceptance[b] / seconds[b] for b in budgets}
-    best = max(budgets, key=lambda b: (rates[b], -b))
+    builds = [lambda b=b: build_tree(xpress, hidden.to(xpress.dtype), base, 0, b) for b in budgets]
+
+    def measure(rounds: int) -> list[list[float]]:
+        return policy.products_samples(jobs, rounds=rounds) + time_rounds(builds, xpress.device, rounds)
+
+    trees = 2 + 2 * len(lines)  # samples[trees + i]: the verification of budget i; after them, the constructions
+
+    def step_seconds(samples) -> list[list[float]]:
+        """Per candidate (the lines, then the trees), its step's seconds in each round."""
+        drafter, readout_all = samples[0], samples[1 + 2 * len(lines)]
+        steps = [[sum(p) for p in zip(drafter, samples[1 + 2 * i], samples[2 + 2 * i])] for i in range(len(lines))]
+        for i in range(len(budgets)):
+            steps.append([sum(p) for p in zip(drafter, readout_all, samples[trees + i],
+                                              samples[trees + len(budgets) + i])])  # fmt: skip
+        return steps
+
+    tokens = [linear.expected_tokens[linear.caps.index(c)] for c in lines] + [acceptance[b] for b in budgets]
+
+    def decide(samples):  # per round: tokens per step / the step's seconds; the lines first, then the budgets
+        return compare([[t / s for s in step] for t, step in zip(tokens, step_seconds(samples))])
+
+    all_jobs = jobs + [("build", b) for b in budgets]
+    timed = timed_choice("draft-shape", _record_key(xpress, target, compiled, linear_layout, all_jobs), measure,
+                         decide, remeasure=remeasure)  # fmt: skip
+    seconds = [statistics.median(step) for step in step_seconds(timed.samples)]
+    chosen = timed.comparison.chosen
     choice = DraftShapeChoice(
-        tree_nodes=best if rates[best] > linear.tokens_per_second[linear.cap - 1] else None,
-        linear=linear, tree_tokens=dict(acceptance), tree_seconds=seconds,
+        tree_nodes=None if chosen < len(lines) else budgets[chosen - len(lines)], linear=linear, lines=lines,
+        line_seconds=seconds[: len(lines)], tree_tokens={b: acceptance[b] for b in budgets},
+        tree_seconds=dict(zip(budgets, seconds[len(lines) :])), comparison=timed.comparison, rounds=timed.rounds,
+        measure_seconds=timed.measure_seconds, record=timed.record, why_not=timed.why_not,
     )  # fmt: skip
     _kept_choices(xpress)[key] = (weakref.ref(target), choice)
     return choice
@@ -253,8 +355,8 @@ def resolve_draft_cap(xpress, target, num_assistant_tokens, *, compiled: bool, l
     machine (`draft_cap.choose_draft_cap`, in the layout of the loop that will run: compiled or eager); None the xPress
     config's `num_assistant_tokens` if it sets one, else, for a checkpoint that carries its measured
     `draft_acceptance`, the cap chosen on this machine (the default that pays: on a CPU in fp32 a whole block's
-    verification costs several plain steps), else None. A choice is made once per drafter, target and setting in a
-    process (a few seconds for SmolLM2 on two cores) and kept on the drafter."""
+    verification costs several plain steps), else None. The choice is timed once per machine, models and setting and
+    kept in the cache folder's record (`choose_draft_cap` says what that costs), and in a process on the drafter."""
     if isinstance(num_assistant_tokens, str):
         if num_assistant_tokens != "auto":
             raise ValueError(
@@ -298,6 +400,7 @@ __all__ = [
     "DraftShapeChoice",
     "acceptance_from_blocks",
     "best_cap",
+    "candidate_caps",
     "choose_draft_cap",
     "choose_draft_shape",
     "draft_length",

@@ -138,7 +138,7 @@ def test_auto_draft_cap_is_each_methods_own_choice(monkeypatch):
     each config's own cap is back afterwards."""
     from modeling_xpress.cpu_layouts import CpuLinearPolicy
 
-    monkeypatch.setattr(CpuLinearPolicy, "products_seconds", lambda self, jobs, repeats=5: [1e-3] * len(jobs))
+    monkeypatch.setattr(CpuLinearPolicy, "products_samples", lambda self, jobs, rounds=5: [[1e-3] * rounds] * len(jobs))
     target, methods = perfect_methods()
     acceptance = {"dflash": [0.5], "markov": [0.9, 0.8], "xpress": [1.0, 1.0, 1.0]}
     for name, model in methods.items():

@@ -206,3 +206,53 @@ def test_steps_without_drafts_sample_plainly():
         assert forward(RejectionSampler(), none, None, logits, logprobs) == "rejection output"
     assert calls == [("rejection", 2), ("rejection", 0), ("rejection", 0)]
     assert sample_plainly_without_drafts(forward) is forward  # a second `register` does not wrap twice
+
+
+def test_seeded_requests_draw_their_draft_noise_from_their_seed():
+    """A request with a seed gets draft noise from (its seed, its anchor's position) alone: the same rows whatever
+    the global RNG did before and wherever it sits in the batch; requests without one draw from the global RNG, as
+    vLLM's samplers do for them."""
+    from modeling_xpress.refinement import gumbel_noise
+    from xpress_vllm.refine import draft_noise_seed, proposal_noise
+
+    shape = (3, 4, 10)
+    seed = draft_noise_seed(1234, 57)
+    assert seed == draft_noise_seed(1234, 57) and 0 <= seed < 2**63
+    assert len({seed, draft_noise_seed(1234, 58), draft_noise_seed(1235, 57)}) == 3  # another step, another request
+    own = gumbel_noise(shape[1:], torch.Generator().manual_seed(seed))
+    torch.manual_seed(0)
+    first = proposal_noise(shape, "cpu", {1: seed})
+    torch.manual_seed(0)
+    unseeded = gumbel_noise(shape)
+    assert torch.equal(first[1], own)
+    assert torch.equal(first[0], unseeded[0]) and torch.equal(first[2], unseeded[2])  # the global RNG, as before
+    torch.manual_seed(1)
+    moved = proposal_noise((2, 4, 10), "cpu", {0: seed})  # another batch, another index, another RNG state
+    assert torch.equal(moved[0], own) and not torch.equal(moved[1], first[0])
+
+
+def test_a_seeded_proposal_does_not_depend_on_the_batch():
+    """refine_proposals with a request's noise seed: the same drafts and q alone and inside a batch of other requests
+    (greedy, other temperatures, unseeded), under any global RNG state; without the seed the same request's drafts
+    change with the global RNG (the seed is what makes them reproducible)."""
+    from xpress_vllm.refine import draft_noise_seed
+
+    k = 5
+    target, xpress, hidden, anchors = make_blocks("xpress", draft_vocab_size=40, batch=4, seed=2)
+    base = torch.stack([xpress.draft_logits(torch.cat([h[None, :1], h[None, :k]], 1), target.lm_head)[0] for h in hidden])
+    temperature = torch.tensor([4.0, 0.0, 0.7, 1.3])  # a high one for request 0: its draws vary with the noise
+    seed = draft_noise_seed(99, 120)
+
+    def propose(rows, seeded_index, global_seed):
+        torch.manual_seed(global_seed)
+        return refine_proposals(xpress.refiner, xpress.config, hidden[rows, :k], base[rows], anchors[rows],
+                                xpress.draft_token_ids, temperature[rows],
+                                noise_seeds=None if seeded_index is None else {seeded_index: seed})  # fmt: skip
+
+    alone_tokens, alone_q = propose([0], 0, global_seed=0)
+    for rows, global_seed in [([1, 0, 2], 1), ([2, 3, 1, 0], 2), ([0, 3], 3)]:
+        tokens, q = propose(rows, rows.index(0), global_seed)
+        assert torch.equal(tokens[rows.index(0)], alone_tokens[0])
+        torch.testing.assert_close(q[rows.index(0)], alone_q[0])
+    unseeded = {tuple(propose([0], None, global_seed)[0][0].tolist()) for global_seed in range(6)}
+    assert len(unseeded) > 1  # the head's draws do depend on the noise

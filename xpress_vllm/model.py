@@ -191,13 +191,14 @@ class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
         self.query_hidden_states = out
         return out
 
-    def draft(self, hidden: torch.Tensor, last_tokens: torch.Tensor, temperature: torch.Tensor | None):
+    def draft(self, hidden: torch.Tensor, last_tokens: torch.Tensor, temperature: torch.Tensor | None,
+              noise_seeds: dict[int, int] | None = None):
         """Each request's proposal from its block's drafter states (b, K + 1, H), the anchor's first, and its last two
         committed tokens (b, 2), the token before the anchor and the anchor: `refine.refine_proposals`."""
         b, slots, width = hidden.shape
         base = self.draft_logits(hidden[:, 1:].reshape(b * (slots - 1), width)).view(b, slots - 1, -1)
         return refine_proposals(self.refiner, self.xpress_config, hidden, base, last_tokens, self.draft_token_ids,
-                                temperature)  # fmt: skip
+                                temperature, noise_seeds=noise_seeds)  # fmt: skip
 
 
 __all__ = ["XPressDFlashForCausalLM", "XPressDFlashModel"]

@@ -13,6 +13,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from .context import DeferredContext
 from .model import XPressDFlashForCausalLM
+from .refine import draft_noise_seed
 
 
 def _unwrapped(model):
@@ -95,8 +96,18 @@ class XPressDFlashProposer(DFlashProposer):
         last_tokens = torch.stack([self._before_anchor[:b].long(), anchors], dim=1)
         sampled = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
         temperature = sampling_metadata.temperature if sampled else None
-        tokens, probs = model.draft(block, last_tokens, temperature)
+        tokens, probs = model.draft(block, last_tokens, temperature,
+                                    self._noise_seeds(sampling_metadata, b, k) if sampled else None)  # fmt: skip
         return tokens.reshape(-1), None if probs is None else probs.view(b * k, -1)
+
+    def _noise_seeds(self, sampling_metadata, b: int, k: int) -> dict[int, int]:
+        """Batch index → the seed of its draft noise this step, for the requests with a `seed` (vLLM's per-request
+        generators): `refine.draft_noise_seed` of the request's seed and its anchor's position."""
+        if not sampling_metadata.generators:
+            return {}
+        positions = self.positions[: b * (k + 1)].view(b, k + 1)[:, 0].tolist()  # each request's anchor slot
+        return {i: draft_noise_seed(generator.initial_seed(), positions[i])
+                for i, generator in sampling_metadata.generators.items()}  # fmt: skip
 
 
 def install_proposer() -> None:

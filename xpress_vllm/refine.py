@@ -2,6 +2,8 @@
 request's own temperature with the distribution each draft was drawn from. It imports torch and modeling_xpress
 only (no vLLM), so the tests check it against `XPressModel.refine` in the main virtualenv."""
 
+import hashlib
+
 import torch
 
 from modeling_xpress.configuration_xpress import XPressConfig
@@ -12,19 +14,42 @@ from modeling_xpress.refinement import gumbel_noise, scatter_vocabulary
 SAMPLING_EPS = 1e-5
 
 
+def draft_noise_seed(request_seed: int, position: int) -> int:
+    """The seed of a seeded request's draft noise in the step whose anchor sits at `position`: a hash of the two.
+
+    vLLM keeps a generator per request with a `seed` and draws from it in sampling and rejection sampling, but only in
+    the steps where the request is sampled or has drafts; how many steps draft depends on the batch (vLLM's dynamic
+    schedule) and a chunked prefill's draws are discarded. Noise keyed by (seed, anchor position) is the same for the
+    same request history whatever happened around it, and it leaves the request's own generator untouched, so vLLM's
+    draws from it are those of any other speculative method."""
+    digest = hashlib.blake2b(f"xpress-draft:{request_seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # a non-negative int64
+
+
+def proposal_noise(shape: tuple[int, int, int], device, noise_seeds: dict[int, int] | None = None) -> torch.Tensor:
+    """Gumbel noise (b, K, V_d) for one step's proposals: from the global RNG, as vLLM's samplers draw for requests
+    without a seed, except request i's rows where `noise_seeds` has a seed for it (`draft_noise_seed`)."""
+    noise = gumbel_noise(shape, device=device)
+    for i, seed in (noise_seeds or {}).items():
+        noise[i] = gumbel_noise(shape[1:], torch.Generator(device=device).manual_seed(seed), device)
+    return noise
+
+
 @torch.no_grad()
 def refine_proposals(head, config: XPressConfig, hidden: torch.Tensor, base: torch.Tensor, last_tokens: torch.Tensor,
                      token_ids: torch.Tensor | None, temperature: torch.Tensor | None = None,
-                     noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+                     noise: torch.Tensor | None = None, noise_seeds: dict[int, int] | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """One proposal per request, decoded by the checkpoint's head.
 
     hidden: (b, K + 1, H) drafter states of each request's block, the anchor's slot first; base: (b, K, V_d) drafter
     logits of its K draft positions over the draft vocabulary `token_ids` (the whole vocabulary when None);
     last_tokens: (b, 2) each request's last two committed tokens, the one before the anchor and the anchor;
     temperature: (b,) per request when vLLM samples drafts (`draft_sample_method="probabilistic"`), else None
-    (greedy); noise: (b, K, V_d) Gumbel noise (drawn here when None). Returns draft token ids (b, K) and, when
-    sampling, q (b, K, V) over the target vocabulary: q_k = softmax((s_k + δ_k(y_<k)) / T), the distribution y_k was
-    drawn from given the request's own drafted prefix y_<k.
+    (greedy); noise: (b, K, V_d) Gumbel noise (drawn here when None: `proposal_noise`, seeded per request by
+    `noise_seeds`). Returns draft token ids (b, K) and, when sampling, q (b, K, V) over the target vocabulary:
+    q_k = softmax((s_k + δ_k(y_<k)) / T), the distribution y_k was drawn from given the request's own drafted prefix
+    y_<k.
 
     Greedy: the Jacobi fixed point of y_k = argmax(s_k + δ_k(y_<k)), the sequential decode. Sampling: the same
     iteration on (s_k + δ_k) / T + G_k with G fixed per block, so y_k is a draw from q_k given y_<k. vLLM's rejection
@@ -39,7 +64,7 @@ def refine_proposals(head, config: XPressConfig, hidden: torch.Tensor, base: tor
         scale = torch.where(greedy, torch.ones_like(temperature), temperature).float().view(b, 1, 1)
         transform = lambda logits: logits / scale  # noqa: E731
         if noise is None:
-            noise = gumbel_noise(base.shape, device=base.device)
+            noise = proposal_noise(base.shape, base.device, noise_seeds)
         noise = noise.masked_fill(greedy.view(b, 1, 1), 0.0)
     else:
         noise = None
@@ -52,4 +77,4 @@ def refine_proposals(head, config: XPressConfig, hidden: torch.Tensor, base: tor
     return result.tokens, scatter_vocabulary(result.logits.softmax(dim=-1), token_ids, config.vocab_size)
 
 
-__all__ = ["SAMPLING_EPS", "refine_proposals"]
+__all__ = ["SAMPLING_EPS", "draft_noise_seed", "proposal_noise", "refine_proposals"]

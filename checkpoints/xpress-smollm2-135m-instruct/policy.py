@@ -73,18 +73,23 @@ def product_sweeps(jobs: Sequence[tuple[Sequence[torch.Tensor], int, Callable]])
 
 
 @torch.no_grad()
-def time_sweeps(sweeps: Sequence, device: torch.device, repeats: int) -> list[float]:
-    """Median seconds of each zero-argument `sweep` over `repeats` rounds after one untimed round, timed in turn, so
-    a drift in the machine's speed hits them alike."""
+def time_rounds(sweeps: Sequence, device: torch.device, rounds: int) -> list[list[float]]:
+    """Seconds of each zero-argument `sweep` in each of `rounds` rounds after one untimed round; a round runs every
+    sweep once, in turn, so a drift in the machine's speed hits them alike."""
     now = WallClock(device).now
     samples = [[] for _ in sweeps]
-    for round_ in range(repeats + 1):
+    for round_ in range(rounds + 1):
         for i, sweep in enumerate(sweeps):
             start = now()
             sweep()
             if round_:  # the first round warms up
                 samples[i].append(now() - start)
-    return [statistics.median(times) for times in samples]
+    return samples
+
+
+def time_sweeps(sweeps: Sequence, device: torch.device, repeats: int) -> list[float]:
+    """Median seconds of each zero-argument `sweep` over `repeats` rounds (`time_rounds`)."""
+    return [statistics.median(times) for times in time_rounds(sweeps, device, repeats)]
 
 
 class LinearPolicy:
@@ -128,16 +133,20 @@ class LinearPolicy:
         """The (group, rows) decided so far whose layout is `kind`."""
         return frozenset(key for key, value in self.kinds.items() if value == kind)
 
-    def products_seconds(self, jobs: Sequence[tuple[str, int]], *, repeats: int = 5) -> list[float]:
-        """Median seconds of each job (group, rows): one pass of `rows` input rows through every weight of the group
-        in turn, as a forward multiplies them (each weight once, so they stream from memory), in the group's
-        layout for that many rows."""
+    def products_samples(self, jobs: Sequence[tuple[str, int]], *, rounds: int = 5) -> list[list[float]]:
+        """Seconds of each job (group, rows) in each of `rounds` rounds: one pass of `rows` input rows through every
+        weight of the group in turn, as a forward multiplies them (each weight once, so they stream from memory), in
+        the group's layout for that many rows."""
         device = next(iter(self.weights.values()))[0].device
-        return time_sweeps(product_sweeps([(self.weights[group], rows, F.linear) for group, rows in jobs]), device,
-                           repeats)  # fmt: skip
+        return time_rounds(product_sweeps([(self.weights[group], rows, F.linear) for group, rows in jobs]), device,
+                           rounds)  # fmt: skip
+
+    def products_seconds(self, jobs: Sequence[tuple[str, int]], *, repeats: int = 5) -> list[float]:
+        """Median seconds of each job (`products_samples`)."""
+        return [statistics.median(times) for times in self.products_samples(jobs, rounds=repeats)]
 
 
 __all__ = [
-    "LINEAR_LAYOUTS", "LinearPolicy", "check_linear_layout", "linear_weights", "product_sweeps", "time_sweeps",
-    "timing_input",
+    "LINEAR_LAYOUTS", "LinearPolicy", "check_linear_layout", "linear_weights", "product_sweeps", "time_rounds",
+    "time_sweeps", "timing_input",
 ]  # fmt: skip

@@ -60,7 +60,12 @@ class XPressGenerationStats:
 
     @property
     def mean_tau(self) -> float:
-        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+        """τ averaged over the verification steps of a draft. A call whose every token came from a target step
+        without drafts (`max_new_tokens` of 1 or 2: the prefill's token, then one the target emits alone) committed
+        one token per target step: τ = 1. 0 only when nothing was committed."""
+        if not self.acceptance_lengths:
+            return 1.0 if self.new_tokens else 0.0
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
 
     @property
     def mean_jacobi_iterations(self) -> float:

