@@ -285,10 +285,11 @@ def choose_draft_shape(xpress, target, *, compiled: bool = True, linear_layout: 
     jobs = [("drafter", block), *[job for c in lines for job in (("verify", c + 1), ("head", c))], ("head", n),
             *[("verify", b + 1) for b in budgets]]  # fmt: skip
     generator = torch.Generator(device=xpress.device).manual_seed(0)  # not the caller's random state
-    hidden = torch.randn(1, n, xpress.config.hidden_size, generator=generator, device=xpress.device)
+    hidden = torch.randn(1, n + 1, xpress.config.hidden_size, generator=generator, device=xpress.device)  # B slots
     width = xpress.config.draft_vocab_size or xpress.config.vocab_size
     base = torch.randn(1, n, width, generator=generator, device=xpress.device) * 4
-    builds = [lambda b=b: build_tree(xpress, hidden.to(xpress.dtype), base, 0, b) for b in budgets]
+    last = torch.zeros(1, 2, dtype=torch.long, device=xpress.device)  # the token before the anchor, the anchor
+    builds = [lambda b=b: build_tree(xpress, hidden.to(xpress.dtype), base, last, b) for b in budgets]
 
     def measure(rounds: int) -> list[list[float]]:
         return policy.products_samples(jobs, rounds=rounds) + time_rounds(builds, xpress.device, rounds)

@@ -239,13 +239,13 @@ def test_a_seeded_proposal_does_not_depend_on_the_batch():
 
     k = 5
     target, xpress, hidden, anchors = make_blocks("xpress", draft_vocab_size=40, batch=4, seed=2)
-    base = torch.stack([xpress.draft_logits(torch.cat([h[None, :1], h[None, :k]], 1), target.lm_head)[0] for h in hidden])
-    temperature = torch.tensor([4.0, 0.0, 0.7, 1.3])  # a high one for request 0: its draws vary with the noise
+    base = xpress.draft_logits(hidden[:, : k + 1], target.lm_head)
+    temperature = torch.tensor([1000.0, 0.0, 0.7, 1.3])  # a huge one for request 0: its draws vary with the noise
     seed = draft_noise_seed(99, 120)
 
     def propose(rows, seeded_index, global_seed):
         torch.manual_seed(global_seed)
-        return refine_proposals(xpress.refiner, xpress.config, hidden[rows, :k], base[rows], anchors[rows],
+        return refine_proposals(xpress.refiner, xpress.config, hidden[rows, : k + 1], base[rows], anchors[rows],
                                 xpress.draft_token_ids, temperature[rows],
                                 noise_seeds=None if seeded_index is None else {seeded_index: seed})  # fmt: skip
 
