@@ -17,8 +17,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from modeling_xpress.bench import assets
-from modeling_xpress.training.prompts import MINED_KINDS, PROMPT_KINDS, TASK_KINDS, training_prompts
-from modeling_xpress.training.regeneration import load_response_sets, load_responses, regenerate_responses
+from modeling_xpress.training.prompts import COMPLETION_KINDS, MINED_KINDS, PROMPT_KINDS, TASK_KINDS, training_prompts
+from modeling_xpress.training.regeneration import (
+    load_response_sets,
+    load_responses,
+    prompt_token_ids,
+    regenerate_responses,
+)
 
 PAD, EOS = 0, 1
 MAX_NEW = 12
@@ -322,6 +327,59 @@ def test_mined_prompts_come_from_the_standard_library_and_keep_their_own_held_ou
     assert [i - MINED_INDEX_OFFSET for i in held["prompt_index"][2:]] == list(MINED_HELD_OUT_PROMPTS[:2])
     assert [i - MINED_INDEX_OFFSET for i in train["prompt_index"][2:]] == [2998, 2999]
     assert held_out_prompts(2, kinds=MINED_KINDS) == training_prompts(3002, kinds=MINED_KINDS)["prompt"][3000:]
+
+
+def test_completion_prompts_are_text_to_continue_for_a_base_model(tmp_path):
+    """The completion generator (a base model's prompts): function signatures with docstrings and no body (our stubs,
+    with right examples, or the standard library's), openings of documentation passages that stop before the
+    passage ends, and questions with the answer left open; no request to a chat assistant, never an evaluation
+    prompt, deterministic and prefix-stable; its held-out rows stay out of a joined set."""
+    import ast
+
+    from modeling_xpress.training.completion_prompts import MIN_DOC_PREFIX_CHARS
+    from modeling_xpress.training.mined_prompts import _stdlib_corpus
+    from modeling_xpress.training.regeneration import COMPLETION_HELD_OUT_PROMPTS, COMPLETION_INDEX_OFFSET
+
+    prompts = training_prompts(900, kinds=COMPLETION_KINDS)
+    assert len(set(prompts["prompt"])) == 900 and prompts["kind"][:3] == list(COMPLETION_KINDS)
+    assert training_prompts(90, kinds=COMPLETION_KINDS)["prompt"] == prompts["prompt"][:90]
+    text = "\n".join(prompts["prompt"])
+    for evaluation_string in EVALUATION_STRINGS:
+        assert evaluation_string not in text
+    by_kind = {kind: [p for p, k in zip(prompts["prompt"], prompts["kind"]) if k == kind] for kind in COMPLETION_KINDS}
+    continued = "\n".join(by_kind["code_prefix"] + by_kind["doc_prefix"])
+    assert "```" not in continued and "Complete the following" not in text  # text to continue, not a request
+    for prompt in by_kind["code_prefix"]:
+        function = next(node for node in ast.walk(ast.parse(prompt)) if isinstance(node, ast.FunctionDef))
+        assert ast.get_docstring(function) and len(function.body) == 1, prompt  # the body is the continuation
+    passages = [passage for _, passage in _stdlib_corpus()[2]]
+    for prompt in by_kind["doc_prefix"][:100]:
+        source = next(passage for passage in passages if passage.startswith(prompt))
+        assert len(prompt) >= MIN_DOC_PREFIX_CHARS and len(prompt) < len(source)
+    assert all(p.startswith("Question: ") and p.endswith("\nAnswer:") for p in by_kind["question"])
+
+    write_response_set(tmp_path / "completion", 2998, 3002, kinds=COMPLETION_KINDS)
+    train, held = load_response_sets([tmp_path / "completion"])
+    assert [i - COMPLETION_INDEX_OFFSET for i in held["prompt_index"]] == list(COMPLETION_HELD_OUT_PROMPTS[:2])
+    assert [i - COMPLETION_INDEX_OFFSET for i in train["prompt_index"]] == [2998, 2999]
+
+
+def test_a_base_models_prompts_are_plain_text_without_a_chat_template(target, tokenizer):
+    """chat_template=False: the prompt's own tokens (the tokenizer's special tokens, no chat turn around them);
+    chat messages or a system prompt need a chat template, and a tokenizer without one says what to do."""
+    texts = ["def add(a, b):", "the sky is"]
+    assert prompt_token_ids(tokenizer, texts, chat_template=False) == [tokenizer(t)["input_ids"] for t in texts]
+    rows = regenerate_responses(target, tokenizer, prompts_dataset(texts), max_new_tokens=MAX_NEW, chat_template=False,
+                                progress=False)  # fmt: skip
+    for row, text in zip(rows, texts):
+        ids = tokenizer(text)["input_ids"]
+        assert row["input_ids"][: len(ids)] == ids and row["input_ids"][len(ids) :] == reference_response(target, ids)
+    with pytest.raises(ValueError, match="system_prompt"):
+        prompt_token_ids(tokenizer, texts, system_prompt="Be brief.", chat_template=False)
+    bare = make_tokenizer()
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="chat_template=False"):
+        prompt_token_ids(bare, texts)
 
 
 def test_response_sets_join_by_prompt_index_and_keep_the_held_out_prompts_apart(tmp_path):
