@@ -657,19 +657,15 @@ def test_example_script_trains_on_a_seeded_random_subset_of_joined_sets(tmp_path
     """--max_train_samples N --train_rows_seed S: N rows drawn from every folder (not the first folder's first N), the
     same rows for the same seed (so head stages share one signal cache of them), others for another seed; the seed
     alone is refused, since it would silently train on every row."""
-    import importlib.util
-
+    from modeling_xpress.training.run import RunArguments, load_data
     from tests.test_data import write_response_set
 
-    spec = importlib.util.spec_from_file_location("train_refiner", ROOT / "examples" / "train_refiner.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     write_response_set(tmp_path / "a", 0, 20)
     write_response_set(tmp_path / "b", 20, 40)
     data = f"{tmp_path / 'a'},{tmp_path / 'b'}"
 
     def first_tokens(**subset):
-        rows, _ = script.load_data(script.ScriptArguments(target="unused", data=data, **subset), None, 0)
+        rows, _ = load_data(RunArguments(target="unused", data=data, **subset), None, 0)
         return [ids[0] for ids in rows["input_ids"]]
 
     assert first_tokens(max_train_samples=8) == list(range(8))  # the first N: folder a only
