@@ -3,7 +3,8 @@
 End to end on a tiny random Llama (an instruct-style target: chat template, drafter from its layers, trees) and a
 tiny random Gemma-3 (a base model: plain-text completion prompts, sliding windows shorter than the prompts, a fresh
 drafter, trees refused), a few rows and steps each; a run interrupted in the responses and in a training stage
-continues where it stopped; every stage leaves its record. Then the repository's recipes and the recipe's errors.
+continues where it stopped; every stage leaves its record. Then the repository's recipes (the SmolLM2 runs as recipe
+files: the training flags their stages get) and the recipe's errors.
 """
 
 import json
@@ -215,7 +216,7 @@ def recipe_flags(name: str, out: Path, **overrides) -> dict[str, dict]:
 
 def test_every_repository_recipe_loads_and_its_flags_parse_as_train_refiner_arguments(tmp_path):
     names = sorted(path.stem for path in (REPO / "recipes").glob("*.json"))
-    assert "gemma3-270m" in names
+    assert {"gemma3-270m", "smollm2", "smollm2-v2", "smollm2-v3", "smollm2-v9-mined"} <= set(names)
     for name in names:
         recipe = load_recipe(name, folder=REPO / "recipes")
         assert recipe.description, name
@@ -224,6 +225,66 @@ def test_every_repository_recipe_loads_and_its_flags_parse_as_train_refiner_argu
             assert run_args.target == "TARGET" and training_args.max_steps > 0
     gemma = load_recipe("gemma3-270m", folder=REPO / "recipes")
     assert not gemma.chat_template and gemma.prompt_sets[0].kinds == "completion" and gemma.measure_generator == "completion"
+
+
+def test_smollm2_runs_are_recipe_files_with_their_training_flags(tmp_path):
+    """The SmolLM2 runs v2..v9 as recipe files: the flags of each stage are those examples/smollm2_pipeline.py
+    gave (v3-heads / v4 / v5-deep / v6-task / v8-mined / v8-wide), `--set` changes them as its options did."""
+    v2 = recipe_flags("smollm2-v2", tmp_path)
+    assert list(v2) == ["drafter", "dflash", "markov", "xpress"] and "signal_cache" not in v2["drafter"]
+    assert v2["drafter"]["data"] == "data/smollm2_responses/responses.parquet" and v2["xpress"]["refiner_rank"] == 64
+    assert (v2["drafter"]["max_steps"], v2["xpress"]["max_steps"], v2["drafter"]["threads"]) == (1000, 150, 2)
+
+    heads = recipe_flags("smollm2-v3-heads", tmp_path / "heads")
+    assert [flags["refiner"] for flags in heads.values()] == ["markov", "xpress"]
+    for flags in heads.values():
+        assert flags["train_mode"] == "refiner" and flags["learning_rate"] == 1e-3
+        assert flags["init_from"] == "checkpoints/training/smollm2-v3/drafter"
+
+    v4 = recipe_flags("smollm2-v4", tmp_path / "v4")  # the drafter continues v3's (the drafter-init stage loads it)
+    assert load_recipe("smollm2-v4", folder=REPO / "recipes").continue_from == "checkpoints/training/smollm2-v3/drafter"
+    assert v4["drafter"]["learning_rate"] == 3e-4 and v4["drafter"]["init_from"] == str(tmp_path / "v4" / "drafter-init")
+    assert [v4[s]["init_from"] for s in ("markov", "xpress")] == [str(tmp_path / "v4" / "drafter")] * 2
+
+    v5 = load_recipe("smollm2-v5-deep", folder=REPO / "recipes")  # 4 layers from the target's, on v3's cache layers
+    assert (v5.num_draft_layers, v5.target_layer_ids, v5.drafter_init) == (4, [1, 27], "target")
+    v5_flags = recipe_flags("smollm2-v5-deep", tmp_path / "v5")
+    assert v5_flags["drafter"]["signal_cache"] == "cache/signals-smollm2-v3" and "eval_on_start" not in v5_flags["drafter"]
+    assert v5_flags["drafter"]["warmup_steps"] == 20 and v5_flags["xpress"]["train_mode"] == "refiner"
+
+    v6 = recipe_flags("smollm2-v6-task", tmp_path / "v6")  # the v5 drafter on task data, its figure evaluated first
+    assert v6["drafter"]["warmup_steps"] == 100 and v6["drafter"]["eval_on_start"] is True
+    assert v6["drafter"]["data"].split(",") == ["data/smollm2_responses", "data/smollm2_task_responses"]
+    assert all("eval_on_start" not in v6[s] for s in ("markov", "xpress"))
+    assert all(flags["bf16"] and flags["target_dtype"] == "bfloat16" for flags in v6.values())
+
+    v8 = recipe_flags("smollm2-v8-mined", tmp_path / "v8", precision="float32")  # float32 where bf16 is emulated
+    assert v8["drafter"]["data"].startswith("data/smollm2_task_responses,")  # the task held-out rows select
+    assert "data/smollm2_mined_responses" in v8["drafter"]["data"].split(",")
+    assert all("bf16" not in flags and flags["target_dtype"] == "float32" for flags in v8.values())
+    assert all(flags["signal_cache"] == "cache/signals-smollm2-v8" and "max_train_samples" not in flags
+               for flags in v8.values())  # fmt: skip
+    subset = recipe_flags("smollm2-v8-mined", tmp_path / "v8", head_train_rows=4000, seed=3)
+    assert "max_train_samples" not in subset["drafter"]
+    assert [(subset[s]["max_train_samples"], subset[s]["train_rows_seed"]) for s in ("markov", "xpress")] == [(4000, 3)] * 2
+    assert subset["xpress"]["signal_cache"] == "cache/signals-smollm2-v8-heads4000"  # a cache of just those rows
+    live = recipe_flags("smollm2-v8-mined", tmp_path / "v8", signal_cache=False)
+    assert all("signal_cache" not in flags for flags in live.values())
+
+    recipe = load_recipe("smollm2-v6-task", {"snapshots": str(tmp_path / "snapshots")}, folder=REPO / "recipes")
+    (tmp_path / "snapshots" / "drafter").mkdir(parents=True)  # a run started in an earlier session
+    (tmp_path / "snapshots" / "drafter" / "trainer_state.json").write_text("{}")
+    resume = pipeline_stages.resume_point(recipe, tmp_path / "v6", "drafter")
+    assert resume == tmp_path / "snapshots" / "drafter"
+    resumed = training_flags(recipe, tmp_path / "v6", "drafter", "TARGET", ["data/a"], resume)
+    assert resumed["resume_from_checkpoint"] == str(resume) and "eval_on_start" not in resumed  # in its log already
+
+    wide = load_recipe("smollm2-v8-wide", folder=REPO / "recipes")  # the v7 drafter reading two more layers
+    assert (wide.continue_from, wide.target_layer_ids) == ("checkpoints/training/smollm2-v7/drafter-best", [1, 10, 18, 27])
+    assert all("target_layer_ids" not in flags for flags in recipe_flags("smollm2-v8-wide", tmp_path).values())
+
+    with pytest.raises(ValueError, match="dflash stage would train nothing"):
+        load_recipe("smollm2-v3-heads", {"stages": ["dflash"]}, folder=REPO / "recipes")
 
 
 def test_recipe_errors_name_the_field_and_say_what_to_do(tmp_path):
