@@ -465,7 +465,10 @@ class Pipeline:
 
     def stage_vocabulary(self) -> dict:
         rows = self.training_rows()
-        ids = draft_vocabulary(rows, self.recipe.draft_vocab_size, self.model())
+        try:
+            ids = draft_vocabulary(rows, self.recipe.draft_vocab_size, self.model())
+        except ValueError as error:
+            raise ValueError(f"recipe field draft_vocab_size: {error}. Lower it, or answer more prompts") from None
         counts = Counter(t for row in rows for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
         total = sum(counts.values())
         kept = set(ids.tolist())
