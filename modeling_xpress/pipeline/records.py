@@ -22,17 +22,9 @@ from pathlib import Path
 
 import torch
 
+from ..bench.benchmark import cpu_name
+
 DONE, RUNNING, GIVEN, FAILED = "done", "running", "given", "failed"
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -86,7 +78,8 @@ class StageRecords:
         """A new session of `stage` (its first, or a resumed one), recorded as running."""
         record = self.load(stage) or {"stage": stage, "sessions": [], "results": {}}
         session = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_seconds": None,
-                   "cpu": _cpu(), "threads": torch.get_num_threads(), "command": self.command}  # fmt: skip
+                   "cpu": cpu_name() or platform.machine(), "threads": torch.get_num_threads(),
+                   "command": self.command}  # fmt: skip
         asked = json.loads(json.dumps(settings, default=str))
         if record.get("settings") not in (None, asked):
             session["settings"] = asked  # a resumed stage may run on with other settings (precision, threads, ...)
