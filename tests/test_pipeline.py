@@ -18,7 +18,8 @@ from modeling_xpress import XPressModel
 from modeling_xpress.pipeline import stages as pipeline_stages
 from modeling_xpress.pipeline.__main__ import main as pipeline_main
 from modeling_xpress.pipeline.recipe import load_recipe, make_recipe, parse_override
-from modeling_xpress.pipeline.stages import Pipeline, run_pipeline, stage_plan, training_arguments, training_flags
+from modeling_xpress.pipeline.plan import response_sets, resume_point, stage_plan, training_arguments, training_flags
+from modeling_xpress.pipeline.stages import Pipeline, run_pipeline
 from modeling_xpress.training.prompts import GENERATORS
 from modeling_xpress.training.regeneration import held_out_prompts, load_responses
 from tests.builders import char_tokenizer, tiny_gemma3
@@ -210,7 +211,7 @@ def test_the_command_lists_a_plan_and_applies_overrides(tmp_path, capsys):
 def recipe_flags(name: str, out: Path, **overrides) -> dict[str, dict]:
     """Each training stage's train_refiner flags for a repository recipe (the command's `--set` as overrides)."""
     recipe = load_recipe(name, overrides, folder=REPO / "recipes")
-    folders = [str(folder) for _, folder in pipeline_stages.response_sets(recipe, out)]
+    folders = [str(folder) for _, folder in response_sets(recipe, out)]
     return {stage: training_flags(recipe, out, stage, "TARGET", folders) for stage in recipe.stages}
 
 
@@ -274,7 +275,7 @@ def test_smollm2_runs_are_recipe_files_with_their_training_flags(tmp_path):
     recipe = load_recipe("smollm2-v6-task", {"snapshots": str(tmp_path / "snapshots")}, folder=REPO / "recipes")
     (tmp_path / "snapshots" / "drafter").mkdir(parents=True)  # a run started in an earlier session
     (tmp_path / "snapshots" / "drafter" / "trainer_state.json").write_text("{}")
-    resume = pipeline_stages.resume_point(recipe, tmp_path / "v6", "drafter")
+    resume = resume_point(recipe, tmp_path / "v6", "drafter")
     assert resume == tmp_path / "snapshots" / "drafter"
     resumed = training_flags(recipe, tmp_path / "v6", "drafter", "TARGET", ["data/a"], resume)
     assert resumed["resume_from_checkpoint"] == str(resume) and "eval_on_start" not in resumed  # in its log already

@@ -17,7 +17,6 @@ import argparse
 import os
 import secrets
 import subprocess
-import sys
 import threading
 from multiprocessing.connection import Client, Listener
 from pathlib import Path

@@ -26,7 +26,6 @@ from transformers import (
     set_seed,
 )
 
-from ..bench.assets import DTYPES
 from ..configuration_xpress import XPressConfig
 from ..modeling_xpress import XPressModel
 from .arguments import XPressTrainingArguments
@@ -146,12 +145,18 @@ def synthetic_responses(target, num_rows: int = 64, prompt_length: int = 8, resp
     return datasets.Dataset.from_dict({"input_ids": out.tolist(), "loss_mask": [mask] * num_rows})
 
 
+def floating_dtype(name: str, option: str) -> torch.dtype:
+    """The torch floating-point dtype called `name` ("float32", "bfloat16", ...); the error names the option."""
+    dtype = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{option} must name a torch floating-point dtype, e.g. float32 or bfloat16; got {name!r}")
+    return dtype
+
+
 def load_target(args: RunArguments, seed: int) -> PreTrainedModel:
     if args.target == TINY_RANDOM:
         return tiny_random_target(seed)
-    dtype = DTYPES.get(args.target_dtype)
-    if dtype is None:
-        raise ValueError(f"--target_dtype must be one of {sorted(DTYPES)}, got {args.target_dtype!r}")
+    dtype = floating_dtype(args.target_dtype, "--target_dtype")
     kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     return AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, **kwargs).eval()
 
@@ -266,9 +271,7 @@ def build_drafter(args: RunArguments, target, data, draft_token_ids: torch.Tenso
 def cached_signals(args: RunArguments, training_args: XPressTrainingArguments, target, data, layer_ids, folder: str):
     """`--signal_cache`: the target's features at `layer_ids` and p^t for `data`, written once to `folder` (by the
     main process first; the others find it finished) and read back; training then runs no target forward."""
-    dtype = DTYPES.get(args.signal_cache_dtype)
-    if dtype is None:
-        raise ValueError(f"--signal_cache_dtype must be one of {sorted(DTYPES)}, got {args.signal_cache_dtype!r}")
+    dtype = floating_dtype(args.signal_cache_dtype, "--signal_cache_dtype")  # (the cache refuses those it cannot store)
     with training_args.main_process_first(desc="signal cache"):
         return cache_target_signals(
             target.to(training_args.device), data, layer_ids, folder,
