@@ -11,6 +11,7 @@ continues where it stopped; every stage is recorded as text in the output folder
 
 - `recipe`: `Recipe`, its fields and checks, `load_recipe`.
 - `targets`: `resolve_target` (folder, Hub id, GGUF package) and `load_target`.
+- `plan`: what each stage is given, from the recipe: the plan, the training flags, resume points, snapshots.
 - `stages`: the stages, `Pipeline` and `run_pipeline`.
 - `records`: the stage records (JSON and Markdown), the run's overview, the training table of the card.
 - `vllm_engine`: responses written by vLLM in its own virtualenv.
