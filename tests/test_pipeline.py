@@ -201,6 +201,13 @@ def test_the_command_lists_a_plan_and_applies_overrides(tmp_path, capsys):
     assert "unknown recipe field(s) ['drafter_step']" in capsys.readouterr().err
     assert parse_override("target_layer_ids=[1, 27]") == ("target_layer_ids", [1, 27])
     assert parse_override("signal_cache=cache/x") == ("signal_cache", "cache/x")
+    pipeline = Pipeline("unused", make_recipe(TINY), tmp_path / "fresh")
+    with pytest.raises(ValueError, match=r"stage drafter needs \['target', 'prompts', 'responses', 'vocabulary'"):
+        pipeline.run(["drafter"])  # its inputs are neither done nor asked for
+    with pytest.raises(ValueError, match="not in this recipe's plan"):
+        pipeline.run(["markov"])
+    with pytest.raises(ValueError, match="needs the recipe's snapshots folder"):
+        pipeline.write_snapshots()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
