@@ -238,6 +238,9 @@ def test_every_repository_recipe_loads_and_its_flags_parse_as_train_refiner_argu
 def test_smollm2_runs_are_recipe_files_with_their_training_flags(tmp_path):
     """The SmolLM2 runs v2..v9 as recipe files: the flags of each stage are those examples/smollm2_pipeline.py
     gave (v3-heads / v4 / v5-deep / v6-task / v8-mined / v8-wide), `--set` changes them as its options did."""
+    for name in (path.stem for path in (REPO / "recipes").glob("smollm2*.json")):  # the objective that trained them
+        for flags in recipe_flags(name, tmp_path).values():
+            assert (flags["loss_gamma"], flags["ce_weight"], flags["l1_weight"]) == (7.0, 1.0, 1.0), name
     v2 = recipe_flags("smollm2-v2", tmp_path)
     assert list(v2) == ["drafter", "dflash", "markov", "xpress"] and "signal_cache" not in v2["drafter"]
     assert v2["drafter"]["data"] == "data/smollm2_responses/responses.parquet" and v2["xpress"]["refiner_rank"] == 64
