@@ -27,6 +27,7 @@ from modeling_xpress.bench.assets import DTYPES
 from modeling_xpress.cards import render_model_card
 from modeling_xpress.draft_cap import acceptance_from_blocks
 from modeling_xpress.bench.reports import card_rows, summarize
+from modeling_xpress.pipeline.records import training_table
 
 TARGET_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SIZE_LIMIT_MB = 50
@@ -79,25 +80,12 @@ def evaluation_summary(results: dict) -> str:
 
 def training_text(stages: dict) -> str:
     """`stages`: stage name → that stage's entry of a pipeline `training_summary.json` (command, steps, logs)."""
-    lines = ["Trained on CPU with `examples/smollm2_pipeline.py` on responses written by the target itself (greedy) to "
-             "generated prompts (`modeling_xpress.training.prompts`), none from the evaluation sets; held-out prompts "
-             "(general set 7000..7199, task-shaped set 3000..3199) are never trained on, and 100 held-out rows are "
-             "scored every 250 steps (the τ estimate: T=1, teacher forced, blocks anchored uniformly in the "
-             "responses).",
-             ""]  # fmt: skip
-    lines += ["| stage | steps | train time (min) | held-out τ estimate (best) | command |", "|---|---|---|---|---|"]
-    for stage, info in stages.items():
-        seconds = info.get("train_seconds") or info.get("wall_seconds_this_run")
-        minutes = "–" if seconds is None else f"{seconds / 60:.1f}"
-        best = info.get("best_metric")
-        flags = [a for a in info.get("command", []) if a.startswith("--")]
-        shown = ("--init_from", "--init_from_target_layers", "--refiner", "--train_mode", "--max_steps",
-                 "--learning_rate", "--draft_vocab_size", "--num_draft_layers", "--refiner_rank")  # fmt: skip
-        command = info.get("command", [])
-        args = " ".join(f"{a} {command[command.index(a) + 1]}" for a in shown if a in flags)
-        lines.append(f"| {stage} | {info.get('global_step', '–')} | {minutes} | "
-                     f"{'–' if best is None else f'{best:.3f}'} | `{args}` |")  # fmt: skip
-    return "\n".join(lines)
+    return ("Trained on CPU with the xPress pipeline (`python -m modeling_xpress.pipeline`, the SmolLM2 recipes "
+            "`recipes/smollm2-*.json`; the runs were made by its predecessor, `examples/smollm2_pipeline.py`) on "
+            "responses written by the target itself (greedy) to generated prompts (`modeling_xpress.training.prompts`), "
+            "none from the evaluation sets; held-out prompts (general set 7000..7199, task-shaped set 3000..3199) are "
+            "never trained on, and 100 held-out rows are scored every 250 steps (the τ estimate: T=1, teacher forced, "
+            "blocks anchored uniformly in the responses).\n\n" + training_table(stages))  # fmt: skip
 
 
 def held_out_acceptance(paths: list[str], checkpoint: str, block_size: int) -> list[float]:

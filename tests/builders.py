@@ -1,10 +1,17 @@
-"""Tiny models for the tests: random Llama/Qwen3 targets, xPress drafters for them, and a target whose next-token
-distribution is an exact, designed function of the current token (a Markov chain)."""
+"""Tiny models for the tests: random Llama/Qwen3/Gemma-3 targets, xPress drafters for them, tokenizers built in code,
+and a target whose next-token distribution is an exact, designed function of the current token (a Markov chain)."""
 
 import math
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from modeling_xpress import XPressConfig, XPressModel
 from modeling_xpress.training.synthetic import (  # noqa: F401 (re-exported)
@@ -29,6 +36,18 @@ def tiny_qwen3(vocab_size: int = 96, seed: int = 0, **overrides) -> Qwen3ForCaus
         pad_token_id=None,
     )  # fmt: skip
     return Qwen3ForCausalLM(Qwen3Config(**(fields | overrides))).eval()
+
+
+def tiny_gemma3(vocab_size: int = 96, seed: int = 0, sliding_window: int = 8, **overrides) -> Gemma3ForCausalLM:
+    """A random Gemma-3 text model: six layers, five sliding-window (`sliding_window` tokens, shorter than the tests'
+    prompts, so the window is exercised) to one global, one KV head, Gemma's own norms and GELU MLP."""
+    torch.manual_seed(seed)
+    fields = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, sliding_window=sliding_window, max_position_embeddings=4096,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    return Gemma3ForCausalLM(Gemma3TextConfig(**(fields | overrides))).eval()
 
 
 def tiny_xpress(target, refiner: str = "xpress", seed: int = 1, randomize_head: bool = True, **overrides) -> XPressModel:
@@ -64,6 +83,31 @@ def tiny_tokenizer(vocab_size: int):
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0")
+
+
+CHAR_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>"
+    "{% endif %}"
+)
+
+
+def char_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
+    """One id per printable ASCII character and newline (100 ids: <pad> 0, <eos> 1, <bos> 2, <unk> 3, then the
+    characters), built in code; English prompts and code become varied ids. `chat_template=None`: a base model's
+    tokenizer, without one."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    characters = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {token: i for i, token in enumerate(CHAR_SPECIALS)} | {c: i + len(CHAR_SPECIALS) for i, c in enumerate(characters)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # every character alone
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                        bos_token="<bos>", unk_token="<unk>")  # fmt: skip
+    tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def branching_chain(

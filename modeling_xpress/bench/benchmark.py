@@ -314,16 +314,20 @@ def _git(*args: str) -> str | None:
     return None
 
 
+def cpu_name() -> str | None:
+    """The CPU's model name (Linux's /proc/cpuinfo), or None where it cannot be read."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
 def environment_info(target) -> dict:
     """Versions and machine facts stored with every result."""
     from .. import __version__
 
-    cpu = None
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    cpu = cpu_name()
     commit, dirty = _git("rev-parse", "HEAD"), _git("status", "--porcelain", "--untracked-files=no")
     return {
         "python": sys.version.split()[0],

@@ -1,9 +1,10 @@
 """Training prompts made by our own code: templates, vocabularies and random numbers, or text mined from the standard
 library installed here.
 
-The kinds are built in three modules, one per generator: `general_prompts` (code, math, chat: the default),
-`task_prompts` (task-shaped) and `mined_prompts` (mined from the standard library). This module names them and draws
-the prompts.
+The kinds are built in four modules, one per generator: `general_prompts` (code, math, chat: the default),
+`task_prompts` (task-shaped), `mined_prompts` (mined from the standard library) and `completion_prompts` (text to
+continue, for a pretrained base model that is not tuned to answer chat turns). This module names them and draws the
+prompts.
 
 A drafter is trained on what *its target* answers (paper section 4.3), so the prompts only need to be
 varied, not answered: :func:`training_prompts` builds a few thousand of them (code, math, chat; task-shaped kinds;
@@ -19,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import datasets
 
-from . import general_prompts, mined_prompts, task_prompts
+from . import completion_prompts, general_prompts, mined_prompts, task_prompts
 
 PROMPT_KINDS = ("code", "math", "chat")
 # Task-shaped kinds (a function stub to complete; roles, passages, puzzles, essays): `training_prompts(kinds=TASK_KINDS)`
@@ -27,8 +28,12 @@ TASK_KINDS = ("stub", "roleplay", "extraction", "reasoning", "essay")
 # Kinds mined from local text, the Python standard library installed here (`training_prompts(kinds=MINED_KINDS)`): its
 # documented functions as stubs to complete or code to explain, its documentation's prose as passages to work from
 MINED_KINDS = ("source_stub", "source_explain", "doc_passage")
-# The three generators by the name scripts give them (`make_training_data.py --kinds`, `choose_draft_length.py --kinds`)
-GENERATORS = {"default": PROMPT_KINDS, "task": TASK_KINDS, "mined": MINED_KINDS}
+# Completion-style kinds for a base model, given as plain text (no chat template): a function signature and docstring,
+# the start of a documentation passage, a question in a Q/A layout (`training_prompts(kinds=COMPLETION_KINDS)`)
+COMPLETION_KINDS = ("code_prefix", "doc_prefix", "question")
+# The generators by the name scripts and recipes give them (`make_training_data.py --kinds`, a pipeline recipe's
+# prompt sets, `choose_draft_length.py --kinds`)
+GENERATORS = {"default": PROMPT_KINDS, "task": TASK_KINDS, "mined": MINED_KINDS, "completion": COMPLETION_KINDS}
 
 _PROMPT_BUILDERS: dict[str, Callable[[random.Random], str]] = {
     "code": general_prompts.code_prompt, "math": general_prompts.math_prompt, "chat": general_prompts.chat_prompt,
@@ -36,6 +41,8 @@ _PROMPT_BUILDERS: dict[str, Callable[[random.Random], str]] = {
     "extraction": task_prompts.extraction_prompt, "reasoning": task_prompts.reasoning_prompt,
     "essay": task_prompts.essay_prompt, "source_stub": mined_prompts.source_stub_prompt,
     "source_explain": mined_prompts.source_explain_prompt, "doc_passage": mined_prompts.doc_passage_prompt,
+    "code_prefix": completion_prompts.code_prefix_prompt, "doc_prefix": completion_prompts.doc_prefix_prompt,
+    "question": completion_prompts.question_prompt,
 }
 
 

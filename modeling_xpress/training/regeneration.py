@@ -18,7 +18,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import datasets
@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from .prompts import MINED_KINDS, PROMPT_KINDS, TASK_KINDS, training_prompts
+from .prompts import COMPLETION_KINDS, MINED_KINDS, PROMPT_KINDS, TASK_KINDS, training_prompts
 
 RESPONSE_FEATURES = datasets.Features({
     "input_ids": datasets.List(datasets.Value("int32")),
@@ -59,17 +59,34 @@ def _conversation(row: dict, system_prompt: str | None) -> list[dict[str, str]]:
     return messages
 
 
-def _prompt_token_ids(
-    tokenizer: PreTrainedTokenizerBase, prompts: datasets.Dataset, system_prompt: str | None
+def prompt_token_ids(
+    tokenizer: PreTrainedTokenizerBase, prompts: datasets.Dataset | Sequence[str], system_prompt: str | None = None,
+    chat_template: bool = True,
 ) -> list[list[int]]:
-    """Chat-template every row and tokenize it, ending with the assistant turn opener."""
+    """The token ids the target continues, one list per prompt (a `prompt`/`messages` dataset or plain strings).
+
+    With `chat_template` (an instruct model) every row is chat-templated, ending with the assistant turn opener;
+    without (a pretrained base model) a `prompt` is plain text to continue, tokenized with the tokenizer's own special
+    tokens (e.g. Gemma's BOS)."""
+    if not isinstance(prompts, datasets.Dataset):
+        prompts = datasets.Dataset.from_dict({"prompt": list(prompts)})
     if "prompt" not in prompts.column_names and "messages" not in prompts.column_names:
         raise ValueError(
             f"The prompts dataset needs a `prompt` (str) or a `messages` (list of {{role, content}}) "
             f"column; it has {prompts.column_names}."
         )
+    if not chat_template:
+        if "prompt" not in prompts.column_names or system_prompt is not None:
+            raise ValueError(
+                "Without a chat template a prompt is plain text to continue: give a `prompt` column and no "
+                "system_prompt (chat `messages` and system prompts need chat_template=True)."
+            )
+        return [list(tokenizer(text)["input_ids"]) for text in prompts["prompt"]]
     if not tokenizer.chat_template:
-        raise ValueError("The tokenizer has no chat template; set `tokenizer.chat_template` before regenerating.")
+        raise ValueError(
+            "The tokenizer has no chat template; set `tokenizer.chat_template`, or pass chat_template=False to give a "
+            "base model its prompts as plain text to continue."
+        )
     return [
         list(tokenizer.apply_chat_template(
             _conversation(row, system_prompt), add_generation_prompt=True, tokenize=True, return_dict=False
@@ -78,7 +95,7 @@ def _prompt_token_ids(
     ]
 
 
-def _stop_token_ids(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def stop_token_ids(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The ids that end a response: the target's generation config first, the tokenizer's EOS otherwise."""
     eos = target.generation_config.eos_token_id
     if eos is None:
@@ -217,12 +234,15 @@ def regenerate_responses(
     system_prompt: str | None = None,
     seed: int = 0,
     progress: bool = True,
+    chat_template: bool = True,
+    generate_fn: Callable[[list[list[int]]], list[list[int]]] | None = None,
 ) -> datasets.Dataset:
     """Let the target answer every prompt and return token ids with a response-only loss mask.
 
     Each row of ``prompts`` is either a ``prompt`` string (one user message) or ``messages`` (a
     list of ``{"role", "content"}`` ending with a user turn). It is formatted with the tokenizer's
-    chat template (``add_generation_prompt=True``) and the target continues it. Prompts are sorted
+    chat template (``add_generation_prompt=True``; with ``chat_template=False`` a ``prompt`` is plain
+    text, for a base model: :func:`prompt_token_ids`) and the target continues it. Prompts are sorted
     by length so batches carry little padding, padded on the left, and generated in batches; each
     response is cut after its first EOS (padding that ``generate`` adds to finished rows goes too).
 
@@ -247,6 +267,12 @@ def regenerate_responses(
         seed: with ``do_sample``, shard ``i`` is sampled under ``torch.manual_seed(seed + i)``, so a
             resumed run draws the same samples; the caller's RNG state is left untouched.
         progress: show a tqdm bar over prompts.
+        chat_template: format prompts with the tokenizer's chat template (an instruct model), or give them
+            as plain text to continue (a pretrained base model).
+        generate_fn: answers a batch of prompts (token id lists) with each response's new tokens, in
+            place of ``target.generate`` (e.g. the pipeline's vLLM engine); its ``name`` attribute is
+            recorded in the shard folder's settings, so shards of two engines are never mixed. Greedy by
+            default like ``target.generate``; it must honour ``max_new_tokens`` and the stop ids itself.
 
     Returns:
         A dataset in the order of ``prompts`` with columns ``input_ids`` (prompt tokens followed by
@@ -262,8 +288,8 @@ def regenerate_responses(
     if do_sample and temperature <= 0:
         raise ValueError(f"Sampling needs temperature > 0, got {temperature}; use do_sample=False for greedy.")
 
-    prompt_ids = _prompt_token_ids(tokenizer, prompts, system_prompt)
-    stop_ids = _stop_token_ids(target, tokenizer)
+    prompt_ids = prompt_token_ids(tokenizer, prompts, system_prompt, chat_template=chat_template)
+    stop_ids = stop_token_ids(target, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     generation_config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -279,6 +305,8 @@ def regenerate_responses(
         "seed": seed if do_sample else None, "shard_size": shard_size, "system_prompt": system_prompt,
         "stop_ids": stop_ids,
     }
+    if generate_fn is not None:  # (absent for target.generate, so shard folders of earlier runs still resume)
+        settings["engine"] = getattr(generate_fn, "name", type(generate_fn).__name__)
 
     # Longest prompts first: similar lengths share a batch, and an out-of-memory shows up at once.
     order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
@@ -309,7 +337,10 @@ def regenerate_responses(
             for batch_start in range(0, len(indices), batch_size):
                 batch_start_time = time.perf_counter()
                 batch = [prompt_ids[i] for i in indices[batch_start:batch_start + batch_size]]
-                batch_responses = _generate_batch(target, batch, generation_config, stop_ids)
+                if generate_fn is None:
+                    batch_responses = _generate_batch(target, batch, generation_config, stop_ids)
+                else:
+                    batch_responses = [_trim_response(r, stop_ids) for r in generate_fn(batch)]
                 responses.extend(batch_responses)
                 total_new_tokens += sum(len(r) for r in batch_responses)
                 total_seconds += time.perf_counter() - batch_start_time
@@ -355,6 +386,78 @@ def load_responses(path: str | os.PathLike) -> datasets.Dataset:
     )
 
 
+def summarize_responses(
+    responses: datasets.Dataset, kinds: Sequence[str], stop_ids: Sequence[int], max_new_tokens: int
+) -> dict:
+    """Counts and token totals of a regenerated dataset, overall and per prompt kind (`kinds`: one per row)."""
+    keys = ["examples", "prompt_tokens", "response_tokens", "stopped_with_eos", "hit_max_new_tokens"]
+    per_kind: dict[str, dict[str, int]] = {}
+    for row, kind in zip(responses, kinds, strict=True):
+        response_tokens = sum(row["loss_mask"])
+        stopped = row["input_ids"][-1] in stop_ids and response_tokens > 0
+        stats = per_kind.setdefault(kind, dict.fromkeys(keys, 0))
+        stats["examples"] += 1
+        stats["prompt_tokens"] += len(row["input_ids"]) - response_tokens
+        stats["response_tokens"] += response_tokens
+        stats["stopped_with_eos"] += stopped
+        stats["hit_max_new_tokens"] += response_tokens == max_new_tokens and not stopped
+    total = {key: sum(stats[key] for stats in per_kind.values()) for key in keys}
+    return {
+        **total,
+        "mean_response_tokens": round(total["response_tokens"] / max(total["examples"], 1), 1),
+        "per_kind": dict(sorted(per_kind.items())),
+    }
+
+
+def shard_seconds(shard_dir: str | os.PathLike) -> float:
+    """Generation seconds of every finished shard in a shard folder, those of earlier (interrupted) runs included."""
+    manifest = json.loads((Path(shard_dir) / SHARD_MANIFEST).read_text())
+    return sum(shard["seconds"] for shard in manifest["shards"].values())
+
+
+def response_set_meta(
+    responses: datasets.Dataset, *, model: dict, prompts: dict, generation: dict, kinds: Sequence[str],
+    stop_ids: Sequence[int], shard_dir: str | os.PathLike, wall_seconds: float,
+) -> dict:
+    """The `meta.json` of a regenerated set: the caller's `model`, `prompts` (generator, kinds, indices, seed) and
+    `generation` settings, plus the counts (`summarize_responses`), the timing (every shard's seconds, resumed runs
+    included; this run's wall time; threads) and the library versions."""
+    import transformers
+
+    counts = summarize_responses(responses, kinds, stop_ids, generation["max_new_tokens"])
+    seconds = shard_seconds(shard_dir)
+    return {
+        "model": model, "prompts": prompts, "generation": generation, "counts": counts,
+        "timing": {
+            "generation_seconds_all_shards": round(seconds, 1),
+            "response_tokens_per_second": round(counts["response_tokens"] / max(seconds, 1e-9), 1),
+            "wall_time_s_last_run": round(wall_seconds, 1),
+            "threads": torch.get_num_threads(),
+        },
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }  # fmt: skip
+
+
+def write_response_set(out: str | os.PathLike, responses: datasets.Dataset, meta: dict) -> Path:
+    """Write a regenerated set as `<out>/responses.parquet` and `<out>/meta.json` (what `load_response_sets` joins:
+    `meta["prompts"]` names the generator's `kinds` and the prompt `indices` [first, end) the rows answer, in order).
+    Both files are written under temporary names and renamed, the meta last: a set with a meta.json is complete."""
+    prompts = meta.get("prompts", {})
+    first, end = prompts.get("indices", [0, prompts.get("n")])
+    if "kinds" not in prompts or end is None or end - first != len(responses):
+        raise ValueError(
+            f"meta['prompts'] must name the generator's kinds and the indices [first, end) of the {len(responses)} "
+            f"rows; got {prompts}"
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / ".responses.parquet.partial"
+    responses.to_parquet(str(partial))
+    os.replace(partial, out / "responses.parquet")
+    _write_json_atomic(out / "meta.json", meta)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Several regenerated sets as one training set, with the held-out split kept apart
 # ---------------------------------------------------------------------------------------------------------------------
@@ -371,12 +474,18 @@ TASK_HELD_OUT_PROMPTS = range(3000, 3200)
 MINED_HELD_OUT_PROMPTS = range(3000, 3200)
 """The same for the prompts mined from the standard library, `training_prompts(n, seed=0, kinds=MINED_KINDS)`."""
 
+COMPLETION_HELD_OUT_PROMPTS = range(3000, 3200)
+"""The same for the completion-style prompts of a base model, `training_prompts(n, seed=0, kinds=COMPLETION_KINDS)`."""
+
 TASK_INDEX_OFFSET = 1_000_000
 """Where task-shaped prompt indices start in a joined training set (`load_response_sets`): the generators number
 their prompts from 0 each, and a joined set must tell prompt 5 of one from prompt 5 of the other."""
 
 MINED_INDEX_OFFSET = 2_000_000
 """Where the mined prompts' indices start in a joined training set."""
+
+COMPLETION_INDEX_OFFSET = 3_000_000
+"""Where the completion-style prompts' indices start in a joined training set."""
 
 
 def _generators() -> dict[tuple, tuple[int, range]]:
@@ -385,6 +494,7 @@ def _generators() -> dict[tuple, tuple[int, range]]:
         PROMPT_KINDS: (0, HELD_OUT_PROMPTS),
         TASK_KINDS: (TASK_INDEX_OFFSET, TASK_HELD_OUT_PROMPTS),
         MINED_KINDS: (MINED_INDEX_OFFSET, MINED_HELD_OUT_PROMPTS),
+        COMPLETION_KINDS: (COMPLETION_INDEX_OFFSET, COMPLETION_HELD_OUT_PROMPTS),
     }
 
 
@@ -392,7 +502,8 @@ def _generator(kinds) -> tuple[int, range]:
     generators = _generators()
     if tuple(kinds) not in generators:
         raise ValueError(
-            f"prompt kinds {list(kinds)} are not a known generator: use PROMPT_KINDS, TASK_KINDS or MINED_KINDS"
+            f"prompt kinds {list(kinds)} are not a known generator: use PROMPT_KINDS, TASK_KINDS, MINED_KINDS or "
+            "COMPLETION_KINDS"
         )
     return generators[tuple(kinds)]
 

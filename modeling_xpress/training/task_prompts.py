@@ -72,6 +72,12 @@ _STUB_ASKS = [
 
 def stub_prompt(rng: random.Random) -> str:
     """A Python function stub to complete: imports, a typed signature, a docstring and worked examples."""
+    code = stub_code(rng)
+    return f"{pick(rng, _STUB_ASKS)}\n```python\n{code}```"
+
+
+def stub_code(rng: random.Random) -> str:
+    """The code of a stub (imports, typed signature, docstring with examples the implementation computed), no ask."""
     name, params, returns, doc, implementation, make_args = pick(rng, _STUBS)
     examples = []
     for _ in range(rng.randint(1, 3)):
@@ -80,7 +86,7 @@ def stub_prompt(rng: random.Random) -> str:
     typing = sorted({t for t in ("List", "Dict", "Optional", "Tuple") if t + "[" in params + returns})
     header = f"from typing import {', '.join(typing)}\n\n\n" if typing else ""
     body = f'def {name}({params}) -> {returns}:\n    """ {doc}\n' + "\n".join(examples) + '\n    """\n'
-    return f"{pick(rng, _STUB_ASKS)}\n```python\n{header}{body}```"
+    return header + body
 
 
 _PERSONAS = [
