@@ -503,8 +503,11 @@ def test_acceptance_a_checkpoint_carries_is_measured_on_a_known_pair():
     """`bench.acceptance` (the pipeline's measure stage): on the constructed pair, whose head knows the target, every
     block is accepted whole (draft_acceptance all 1, τ = B), the head switched off drafts the drafter's marginals (τ
     near 1), and a best-first tree of N nodes follows the one right path (τ = N + 1 but for the last step); every output is the target's.
-    A sliding-window target gets the decoding loop's reason for refusing trees."""
+    A target with layers no verification mask expresses (chunked attention) gets the decoding loop's reason for
+    refusing trees; a sliding-window one gets none."""
     from modeling_xpress.bench.acceptance import measure_prompt, summarize_acceptance, tree_refusal
+    from transformers import Llama4TextConfig
+
     from tests.builders import tiny_gemma3
 
     target, xpress = constructed_permutation_pair(vocab_size=64, block_size=BLOCK)
@@ -516,4 +519,8 @@ def test_acceptance_a_checkpoint_carries_is_measured_on_a_known_pair():
     assert summary["tau_head_off"] < 2
     trees = summary["tree_acceptance"]  # (the last step of a prompt is cut short by max_new_tokens)
     assert list(trees) == [2, 4] and all(n < tau <= n + 1 for n, tau in trees.items())
-    assert tree_refusal(target) is None and "sliding-window" in tree_refusal(tiny_gemma3())
+    assert tree_refusal(target) is None and tree_refusal(tiny_gemma3()) is None
+    chunked = type("Chunked", (), {"config": Llama4TextConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=64,
+                                                              num_attention_heads=4, num_key_value_heads=2,
+                                                              head_dim=16, vocab_size=96)})()  # fmt: skip
+    assert "chunked_attention" in tree_refusal(chunked)

@@ -376,12 +376,15 @@ def test_unsupported_options_raise(drafters):
         xpress.spec_generate(target, ids, max_new_tokens=4, compile="yes")
 
 
-def test_sliding_window_target_raises():
+def test_a_target_with_only_sliding_layers_compiles_exactly():
+    """Qwen3 with every layer sliding (a window of 4, shorter than the prompt): one slot per position in the static
+    cache, the target's own window masks."""
     target = tiny_qwen3(use_sliding_window=True, sliding_window=4, max_window_layers=0,
                         layer_types=["sliding_attention"] * 5)  # fmt: skip
     xpress = tiny_xpress(target)
-    with pytest.raises(ValueError, match="full-attention layers in the target"):
-        xpress.spec_generate(target, prompt(96, 4), max_new_tokens=4, compile=True)
+    ids = prompt(96, 11)
+    expected = target.generate(ids, max_new_tokens=20, do_sample=False)
+    assert torch.equal(xpress.spec_generate(target, ids, max_new_tokens=20, compile=True).sequences, expected)
 
 
 def test_generate_with_a_static_cache_points_to_compile(drafters):

@@ -91,6 +91,7 @@ def test_wheel_install_saves_a_checkpoint_with_its_card(tmp_path):
 
 RUNTIME = ("__init__", "configuration_xpress", "modeling_xpress", "heads", "refinement", "stats", "processors",
            "drafting", "policy", "layout_policy", "cpu_layouts", "draft_cap", "compiled", "compiled_loop", "trees",
+           "attention_masks",
            "decoding", "generation",
            "conversion", "dflash_formats", "hub_files", "custom_generate/generate")  # fmt: skip
 """The modules decoding runs: `import modeling_xpress`, a checkpoint's trust_remote_code copy, `save_pretrained`."""

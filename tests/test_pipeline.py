@@ -160,8 +160,8 @@ def test_llama_target_end_to_end_resumes_interrupted_stages_and_records_every_st
 
 def test_gemma3_base_target_end_to_end_with_sliding_windows_and_plain_text_prompts(tmp_path):
     """A base model: completion prompts go in as plain text (no chat template), its layers are not the drafter's (a
-    fresh drafter, and the record says why), its sliding windows (8 tokens, prompts of hundreds) make the decoding
-    loop refuse trees, so tree_acceptance is not measured and the record carries the loop's own reason."""
+    fresh drafter, and the record says why), its sliding windows (8 tokens, prompts of hundreds) are masks of every
+    decoding route, trees included: tree_acceptance is measured like a full-attention target's."""
     tokenizer = char_tokenizer(chat_template=None)
     gemma = tiny_gemma3(vocab_size=128, bos_token_id=2, eos_token_id=EOS, pad_token_id=0)
     target = save_target(tmp_path / "target", gemma, tokenizer)
@@ -180,10 +180,11 @@ def test_gemma3_base_target_end_to_end_with_sliding_windows_and_plain_text_promp
     init = done["drafter-init"]["results"]
     assert init["start"] == "random weights" and "gemma3_text" in init["why"]
     measured = done["measure"]["results"]
-    assert measured["tree_acceptance"] == {} and "sliding-window" in measured["trees_not_measured"]
-    assert measured["identical"] == measured["outputs"] == 2 * 2  # head on and off, every output the target's own
+    assert list(measured["tree_acceptance"]) == ["2", "4"] or list(measured["tree_acceptance"]) == [2, 4]
+    assert measured["trees_not_measured"] is None
+    assert measured["identical"] == measured["outputs"] == 2 * 4  # head on and off, two trees: the target's own
     model = XPressModel.from_pretrained(out / "model")
-    assert model.config.tree_acceptance is None and model.config.draft_acceptance == measured["draft_acceptance"]
+    assert model.config.tree_acceptance and model.config.draft_acceptance == measured["draft_acceptance"]
     ids = torch.tensor([tokenizer(held_out_prompts(1, GENERATORS["completion"])[0])["input_ids"]])
     reference = gemma.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     assert torch.equal(model.spec_generate(gemma, ids, max_new_tokens=12).sequences, reference)

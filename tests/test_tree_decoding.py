@@ -39,16 +39,20 @@ def test_tree_greedy_equals_target_greedy(target, refiner):
             assert max(out.stats.draft_lengths) <= nodes
 
 
-def test_a_sliding_window_target_is_refused_with_a_tree():
-    """The tree's mask spans the whole context, which a windowed layer does not keep: a clear error, not a crash."""
+def test_a_sliding_window_target_decodes_trees_exactly():
+    """Mistral: every layer sliding, one mask for all (a model of one layer kind takes a tensor, not a dict); the
+    dynamic cache keeps only the window, so the tree's mask covers exactly those keys."""
     from transformers import MistralConfig, MistralForCausalLM
 
+    torch.manual_seed(0)
     target = MistralForCausalLM(MistralConfig(
         vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, bos_token_id=None, eos_token_id=None, pad_token_id=None, sliding_window=8,
     )).eval()  # fmt: skip
-    with pytest.raises(ValueError, match="sliding-window"):
-        tiny_xpress(target).spec_generate(target, torch.tensor([[1, 2, 3]]), max_new_tokens=5, tree_nodes=4)
+    xpress = tiny_xpress(target)
+    for ids in prompts(96, seed=2):
+        expected = target.generate(ids, max_new_tokens=30, do_sample=False)
+        assert torch.equal(xpress.spec_generate(target, ids, max_new_tokens=30, tree_nodes=6).sequences, expected)
 
 
 def test_tree_with_a_depth_limit_and_stop_tokens(target):
