@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessorList, pipeline
 
+from modeling_xpress import XPressConfig
 from modeling_xpress.attention_masks import LayerKinds
 from modeling_xpress.compiled import release_compiled_decoders
 from modeling_xpress.trees import build_tree, verify_tree
@@ -178,6 +179,21 @@ def test_compiled_sampling_equals_eager_draw_for_draw(sampling_gemma):
 
 
 # --- the drafter's side of a Gemma-3 target --------------------------------------------------------------------------
+
+
+def test_a_drafter_takes_the_global_layers_rope():
+    """Gemma-3 gives each layer type its RoPE; the drafter's layers attend to the whole context, so they get the
+    full-attention layers' (here a base no default shares), and the config carries no per-type keys (kept, they made
+    transformers warn "Unrecognized keys" and fall back to its default base)."""
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 123456.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}  # fmt: skip
+    target = tiny_gemma3(rope_parameters=rope)
+    config = XPressConfig.from_target_config(target.config, num_hidden_layers=2, block_size=8)
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 123456.0}
+    xpress = tiny_xpress(target)
+    head_dim = xpress.config.head_dim
+    expected = 1.0 / 123456.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    torch.testing.assert_close(xpress.rotary_emb.inv_freq, expected)
 
 
 def test_the_drafter_embeds_blocks_with_the_scaled_embedding(gemma):
