@@ -86,6 +86,30 @@ def xpress_config(model: str, revision: str | None) -> XPressConfig:
     return XPressConfig.from_pretrained(model, revision=revision)
 
 
+# Targets whose models scale token embeddings by √H inside the model (transformers: `Gemma3TextScaledWordEmbedding`;
+# vLLM: the `normalizer` its Gemma models apply in `embed_input_ids`, outside the `embed_tokens` module).
+SCALED_EMBEDDING_TARGETS = ("gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text")
+
+
+def check_served_target(hf_config) -> None:
+    """A ValueError for a target vLLM 0.32's dFlash path cannot serve an xPress drafter with (docs/vllm.md).
+
+    Gemma targets, for two reasons in vLLM's source. Its Gemma models do not implement `SupportsEagle3`, the interface
+    through which a dFlash drafter gets the target's intermediate hidden states: the model runner (the CPU runner
+    too) requests them for every dFlash drafter and raises in `_setup_eagle3_aux_hidden_state_outputs`. And the
+    drafter is handed the target's `embed_tokens` module (`_maybe_share_embeddings`), whose output lacks Gemma's √H
+    scale (applied in the model's `embed_input_ids`): the drafter would embed its blocks unscaled, unlike in training,
+    and draft from other inputs without any error."""
+    kinds = {getattr(hf_config, "model_type", None), getattr(hf_config.get_text_config(), "model_type", None)}
+    if kinds & set(SCALED_EMBEDDING_TARGETS):
+        raise ValueError(
+            f"xpress_vllm cannot serve a {sorted(kinds - {None})} target on vLLM 0.32: its Gemma models give a dFlash "
+            "drafter no intermediate hidden states (no SupportsEagle3), and vLLM would hand the drafter the target's "
+            "embedding table without Gemma's sqrt(hidden_size) scale. Decode with transformers instead: "
+            "xpress.spec_generate(target, input_ids, compile=True) or target.generate(..., assistant_model=xpress)."
+        )
+
+
 class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
     """vLLM's dFlash drafter class for an xPress checkpoint (architecture `XPressModel`, or a release's
     `Qwen3XPressModel`)."""
@@ -103,6 +127,7 @@ class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
         source = spec.draft_model_config
         config = xpress_config(source.model, source.revision)
         config.check_target(vllm_config.model_config.hf_config)
+        check_served_target(vllm_config.model_config.hf_config)
         if max(config.target_layer_ids) >= config.num_target_layers - 1:
             raise ValueError(
                 f"target_layer_ids {config.target_layer_ids}: vLLM reads a target layer's output at the next layer's "
