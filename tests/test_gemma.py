@@ -126,6 +126,47 @@ def test_compiled_equals_eager_and_target_greedy(gemma, cases, tree_nodes):
                for layer in decoder.target_cache.layers)  # fmt: skip
 
 
+def oracle_trees(monkeypatch, expected: list[int], decoy_margin: float = 0.04):
+    """Every tree the loops build (eager and compiled) drafts from marginals with ~0.48 on the target's true next
+    token and ~0.52 on a decoy (test_tree_decoding's oracle): a tree of 6 nodes accepts a path of two drafts per step,
+    so accepted paths move through the sliding layers' caches (`keep_path`, `keep_path_static`)."""
+    import math
+
+    import modeling_xpress.compiled_loop as compiled_loop
+    import modeling_xpress.decoding as decoding
+    import modeling_xpress.trees as trees
+
+    anchor = {}
+    for cls in (decoding.EagerSteps, compiled_loop.CompiledSteps):
+        def draft(self, sequence, *args, _real=cls.draft, **kwargs):
+            anchor["index"] = sequence.shape[1] - 1
+            return _real(self, sequence, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "draft", draft)
+
+    def build(xpress, hidden, base, last, budget, **kwargs):
+        base = torch.full_like(base, -1e4)
+        for k in range(base.shape[1]):
+            position = anchor["index"] + 1 + k
+            truth = expected[position] if position < len(expected) else 0
+            base[0, k, truth] = math.log(0.5 - decoy_margin / 2)
+            base[0, k, (truth + 1) % base.shape[-1]] = math.log(0.5 + decoy_margin / 2)
+        return trees.build_tree(xpress, hidden, base, last, budget, **kwargs)
+
+    monkeypatch.setattr(decoding, "build_tree", build)
+    monkeypatch.setattr(compiled_loop, "build_tree", build)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_accepted_tree_paths_through_the_window(gemma, monkeypatch, compile):
+    ids = torch.randint(0, gemma.config.vocab_size, (1, 19), generator=torch.Generator().manual_seed(8))
+    expected = gemma.generate(ids, max_new_tokens=40, do_sample=False)
+    oracle_trees(monkeypatch, expected[0].tolist())
+    out = tiny_xpress(gemma, refiner="none").spec_generate(gemma, ids, max_new_tokens=40, tree_nodes=6, compile=compile)
+    assert torch.equal(out.sequences, expected)
+    assert set(out.stats.acceptance_lengths[:-1]) == {3}  # two drafts and the bonus, every full step
+
+
 # --- lossless sampling on a windowed target ------------------------------------------------------------------------
 
 
