@@ -91,7 +91,7 @@ def test_wheel_install_saves_a_checkpoint_with_its_card(tmp_path):
 
 RUNTIME = ("__init__", "configuration_xpress", "modeling_xpress", "heads", "refinement", "stats", "processors",
            "drafting", "policy", "layout_policy", "cpu_layouts", "draft_cap", "compiled", "compiled_loop", "trees",
-           "attention_masks",
+           "attention_masks", "tuning",
            "decoding", "generation",
            "conversion", "dflash_formats", "hub_files", "custom_generate/generate")  # fmt: skip
 """The modules decoding runs: `import modeling_xpress`, a checkpoint's trust_remote_code copy, `save_pretrained`."""
@@ -232,8 +232,8 @@ def test_install_requires_is_what_decoding_imports():
 # in .venv (the pipeline's vLLM engine: its `serve` side, which the pipeline starts with .venv-vllm's Python); and the
 # packages only they import.
 VLLM_SIDE = {
-    "examples/vllm_benchmark.py", "tests/vllm_sampling_engine.py", "tests/speculators_reference.py",
-    "modeling_xpress/pipeline/vllm_engine.py",
+    "examples/vllm_benchmark.py", "tests/vllm_sampling_engine.py", "tests/vllm_seed_engine.py",
+    "tests/speculators_reference.py", "modeling_xpress/pipeline/vllm_engine.py",
 }  # fmt: skip
 VLLM_SIDE_PACKAGES = ("vllm", "speculators")
 # Reference implementations the tests compare with, installed by the Makefile without dependencies (their extras pin
