@@ -336,8 +336,8 @@ def test_fixed_iterations_equal_jacobi_refine(drafters, sample):
     _, xpress = drafters("qwen3", "xpress")
     refiner = xpress.refiner
     torch.manual_seed(0)
-    hidden, base = torch.randn(3, 7, 64), torch.randn(3, 7, 96) * 3
-    anchors = torch.tensor([1, 50, 95])
+    hidden, base = torch.randn(3, 8, 64), torch.randn(3, 7, 96) * 3  # hidden: every slot, the anchor's first
+    anchors = torch.tensor([[4, 1], [3, 50], [60, 95]])  # the token before the anchor, the anchor
     noise = gumbel_noise(base.shape, generator=torch.Generator().manual_seed(1)) if sample else None
     processors = sampling_processors(0.8, 20, None)
     transform = (lambda x: processors(None, x.reshape(-1, 96)).reshape(x.shape)) if sample else None
