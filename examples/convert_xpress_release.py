@@ -44,7 +44,7 @@ def main() -> None:
         base = Path(args.base_config)
         if not base.exists():  # a Hub repo id: its config.json, fetched like from_pretrained would
             base = Path(cached_file(args.base_config, "config.json"))
-        model = convert_release_pickle(args.path, base, trust_pickle=args.trust_pickle)
+        model = convert_release_pickle(XPressModel, args.path, base, trust_pickle=args.trust_pickle)
         model.save_pretrained(args.out)
     else:
         model = XPressModel.from_pretrained(args.path)

@@ -350,12 +350,10 @@ def load_xpress_release(cls, path: str | os.PathLike, *, dtype=None, **overrides
     return _release_model(cls, raw, state, path, dtype, hub, **overrides)
 
 
-def release_folder(name_or_path, kwargs: dict):
-    """For `XPressModel.from_pretrained(name_or_path, **kwargs)`: the loaded model when `name_or_path` (a folder or a
-    Hub repo id) is an xPress release serving folder, else None (nothing fetched but its config.json, which
-    `from_pretrained` reads anyway)."""
-    from .modeling_xpress import XPressModel
-
+def release_folder(cls, name_or_path, kwargs: dict):
+    """For `cls.from_pretrained(name_or_path, **kwargs)` (`cls` an `XPressModel`): the loaded model when `name_or_path`
+    (a folder or a Hub repo id) is an xPress release serving folder, else None (nothing fetched but its config.json,
+    which `from_pretrained` reads anyway)."""
     hub = {k: kwargs[k] for k in HUB_ARGUMENTS if kwargs.get(k) is not None}
     try:
         config_file = _fetch(str(name_or_path), "config.json", hub)
@@ -371,7 +369,7 @@ def release_folder(name_or_path, kwargs: dict):
             f"{name_or_path} is an xPress release folder; from_pretrained takes dtype, Hub arguments and config fields "
             f"for it, not {unsupported}"
         )
-    return load_xpress_release(XPressModel, name_or_path, dtype=dtype, **hub, **overrides).eval()
+    return load_xpress_release(cls, name_or_path, dtype=dtype, **hub, **overrides).eval()
 
 
 def write_xpress_release(model, path: str | os.PathLike, *, num_passes: int | None = None) -> Path:
@@ -404,15 +402,13 @@ def write_xpress_release(model, path: str | os.PathLike, *, num_passes: int | No
     return _save(folder, raw, state)
 
 
-def convert_release_pickle(pickle_path: str | os.PathLike, base_config: str | os.PathLike, *,
+def convert_release_pickle(cls, pickle_path: str | os.PathLike, base_config: str | os.PathLike, *,
                            trust_pickle: bool = False, **overrides):  # fmt: skip
     """The authors' training pickle (`refiner_cotrain.pt`: `draft_state_dict`, `refiner_state_dict`, `args`) and
-    the dFlash config it was trained from (a folder holding config.json, or that file) → an `XPressModel`.
+    the dFlash config it was trained from (a folder holding config.json, or that file) → `cls` (an `XPressModel`).
 
     A pickle can run code when it is loaded: it is read with `weights_only=True` first, and only with
     `trust_pickle=True` as a full pickle (the authors' files hold an argparse Namespace, which needs it)."""
-    from .modeling_xpress import XPressModel
-
     try:
         saved = torch.load(pickle_path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 -- an UnpicklingError, or others, for any non-tensor object
@@ -436,7 +432,7 @@ def convert_release_pickle(pickle_path: str | os.PathLike, base_config: str | os
         "xpress_block_size": raw.get("block_size"),
     }
     state = {**saved["draft_state_dict"], **{RELEASE_HEAD_PREFIX + k: v for k, v in head.items()}}
-    return _release_model(XPressModel, {**raw, **release}, state, pickle_path, dtype=torch.float32, **overrides)
+    return _release_model(cls, {**raw, **release}, state, pickle_path, dtype=torch.float32, **overrides)
 
 
 __all__ = [

@@ -516,7 +516,7 @@ class XPressModel(XPressPreTrainedModel):
         (e.g. `jacobi_max_iters=`) apply, as do the Hub arguments (`revision`, `cache_dir`, `token`, ...)."""
         from .conversion import release_folder
 
-        release = release_folder(pretrained_model_name_or_path, kwargs)
+        release = release_folder(cls, pretrained_model_name_or_path, kwargs)
         if release is not None:
             return release
         want_info = kwargs.pop("output_loading_info", False)

@@ -281,8 +281,8 @@ def test_the_training_pickle_converts_only_when_trusted(tmp_path, target):
     torch.save({"draft_state_dict": drafter, "refiner_state_dict": head, "args": Namespace(markov_rank=RANK),
                 "step": 10}, path)  # fmt: skip
     with pytest.raises(ValueError, match="runs whatever code"):
-        convert_release_pickle(path, folder)
-    model = convert_release_pickle(path, folder, trust_pickle=True)
+        convert_release_pickle(XPressModel, path, folder)
+    model = convert_release_pickle(XPressModel, path, folder, trust_pickle=True)
     for name, tensor in expected.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
 

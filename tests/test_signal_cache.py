@@ -92,7 +92,7 @@ def test_collator_cuts_cached_rows_as_it_cuts_live_ones(tmp_path):
 @pytest.mark.parametrize("draft_vocabulary", [False, True])
 def test_cache_gives_the_live_cross_entropy_and_an_l1_within_twice_the_tail(tmp_path, draft_vocabulary):
     """Features cached in float32 and p^t as its top 8 of 96 probabilities. Per position of every distribution (p^b,
-    p^r, p̂^r): CE is the live CE; L1 exceeds the live L1 by exactly 2 Σ_M min(p_i, q_i), M = the draft vocabulary
+    p^r, each round's p̂^r_i): CE is the live CE; L1 exceeds the live L1 by exactly 2 Σ_M min(p_i, q_i), M = the draft vocabulary
     outside the top k, so by at most 2 × the stored tail (the derivation is in docs/training.md)."""
     target = tiny_llama()
     model = tiny_xpress(target, block_size=BLOCK)
@@ -102,7 +102,7 @@ def test_cache_gives_the_live_cross_entropy_and_an_l1_within_twice_the_tail(tmp_
     live, cached = live_and_cached(tmp_path, target, model, rows, top_k=8, dtype=torch.float32)
     live_run, _ = run_objective(model, target, live)
     cache_run, _ = run_objective(model, target, cached)
-    assert len(live_run.terms) == len(cache_run.terms) == 3
+    assert len(live_run.terms) == len(cache_run.terms) == 2 + live_run.consistency_rounds  # p^b, p^r, each p̂^r_i
 
     anchor_mask = cached["anchor_mask"]
     ids, tail = cached["teacher_ids"][anchor_mask], cached["teacher_tail"][anchor_mask]  # (N, n, k), (N, n)
@@ -116,7 +116,7 @@ def test_cache_gives_the_live_cross_entropy_and_an_l1_within_twice_the_tail(tmp_
         if draft_vocabulary:
             assert (valid & ~live_term.ce_valid).any()  # some labels lie outside the draft vocabulary
         # The same drafter outputs and CE, up to float32 noise: the cache ran the target on other batches (padding).
-        torch.testing.assert_close(cache_logits, live_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cache_logits, live_logits, rtol=1e-4, atol=1e-5 * live_logits.abs().max().item())
         torch.testing.assert_close(cache_term.ce, live_term.ce, rtol=1e-5, atol=1e-4)
 
         excess = (cache_term.l1 - live_term.l1)[valid]

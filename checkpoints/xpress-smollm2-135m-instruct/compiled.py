@@ -23,7 +23,8 @@ compiled once (`torch.compile`, mode "reduce-overhead" on CUDA: replayed as a CU
 Static caches are never cropped. Each cache write starts at the first slot that is not committed (the write pointer
 is set before every call), so the next write overwrites the rejected slots, and masks by position hide what is stale:
 the target's causal mask lets a query at position p see slots <= p only, and the drafter's mask shows it its committed
-context and the block it is drafting, nothing else. The loop itself (acceptance, stop tokens, the draft-length rule,
+context and the block it is drafting, nothing else. A target's sliding-window layers keep a slot per position too
+(`_static_cache`), so a rejected draft is rolled back like any other, and their windows are masks by position. The loop itself (acceptance, stop tokens, the draft-length rule,
 random draws) is `decoding.decode`, the eager loop's own code, run on these graphs' outputs
 (`compiled_loop.CompiledSteps`), so
 greedy and sampled outputs match `compile=False`. Sampling settings are graph inputs (`warp`), not constants.
@@ -49,6 +50,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from .attention_masks import LayerKinds
 from .drafting import target_features
 from .layout_policy import decoder_policy
 from .processors import Warpers, warp
@@ -114,14 +116,16 @@ class _TimedCompile:
 
 
 def _static_cache(config, max_cache_len: int, who: str) -> StaticCache:
+    """A static cache with one slot per token position in every layer. transformers' `StaticCache` gives a
+    sliding-window layer a rolling buffer of its window (`StaticSlidingWindowLayer`): it evicts the oldest slot on
+    every write, rejected drafts included, cannot be rolled back once past its window (`is_croppable`), and decides
+    its writes on a Python count of tokens, not on a graph input. Here such a layer keeps every slot, like a full one,
+    and its window is a mask by position (the target's own masks for a linear block, `attention_masks.LayerKinds`
+    for a tree): exact, at the cost of the full layers' memory and attention width for it."""
+    LayerKinds.of(config, use=f"spec_generate(compile=True) (its {who})", instead="compile=False")
     cache = StaticCache(config=config, max_cache_len=max_cache_len)
-    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer})
-    if kinds:
-        raise ValueError(
-            f"spec_generate(compile=True) needs full-attention layers in the {who}, but its static cache has {kinds} "
-            "layers (sliding-window, chunked or other attention), whose slots are not token positions. Use "
-            "compile=False for this model."
-        )
+    cache.layers = [layer if type(layer) is StaticLayer else StaticLayer(max_cache_len=max_cache_len)
+                    for layer in cache.layers]  # fmt: skip
     return cache
 
 
@@ -204,6 +208,7 @@ class CompiledDecoder:
         self.warpers = warpers  # which sampling warpers the graphs apply (None: greedy); their values are inputs
         self.do_sample = warpers is not None
         self.jacobi_iters = xpress.config.jacobi_max_iters
+        self.target_kinds = LayerKinds.of(target.config, use="spec_generate(compile=True)", instead="compile=False")
         self.target_cache = _static_cache(target.config, max_cache_len, "target")
         self.draft_cache = _static_cache(xpress.config, max_cache_len, "drafter")
         # Allocated now, not lazily inside the first (compiled) drafter call: a graph traced through the allocation
@@ -317,7 +322,8 @@ class CompiledDecoder:
         width = tokens.shape[1]
         _set_write_position(self.target_cache, anchor_pos)
         offsets = torch.arange(width, device=tokens.device) if depths is None else depths
-        mask = None if tree_mask is None else static_tree_mask(tree_mask, anchor_pos, self.max_cache_len)
+        mask = None if tree_mask is None else static_tree_mask(self.target_kinds, tree_mask, offsets, anchor_pos,
+                                                               self.max_cache_len, self.target.dtype)  # fmt: skip
         with self._linear_mode("verify", width):
             out = self.target(input_ids=tokens, position_ids=(anchor_pos + offsets).unsqueeze(0), attention_mask=mask,
                               cache=self.target_cache, output_hidden_states=self.hidden_request)  # fmt: skip
@@ -455,6 +461,7 @@ def check_compilable(xpress, target, repetition_penalty, no_repeat_ngram_size, l
             "prefix, whose length changes every step, so they cannot run in a fixed-shape graph. It supports greedy "
             "decoding and sampling with temperature, top_k and top_p; use compile=False for the rest."
         )
+    LayerKinds.of(target.config, use="spec_generate(compile=True)", instead="compile=False")
     if xpress.device != target.device:
         raise ValueError(
             f"spec_generate(compile=True) needs the drafter and the target on one device, got {xpress.device} and "

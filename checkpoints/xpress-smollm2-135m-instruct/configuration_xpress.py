@@ -96,6 +96,19 @@ def check_acceptance(acceptance, block_size: int) -> list[float]:
     return [float(s) for s in values]
 
 
+def single_rope(rope_parameters: dict | None) -> dict | None:
+    """One RoPE for every drafter layer from a target's `rope_parameters`. A target whose kinds of layer have their
+    own (Gemma 3: `{"full_attention": θ 1e6, "sliding_attention": θ 1e4}`) gives its full-attention layers' RoPE: the
+    drafter's layers attend to the whole context, as those do (kept whole, the per-kind dict is no RoPE transformers'
+    rope code reads: it warns "Unrecognized keys" and falls back to the default base)."""
+    if not rope_parameters:
+        return None
+    rope = dict(rope_parameters)
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+        return dict(rope["full_attention"])
+    return rope
+
+
 def decoder_layer_fields(text_config: PreTrainedConfig) -> dict:
     """The `XPressConfig` fields a transformers decoder config gives about its decoder layers (widths, heads, norm eps,
     activation, attention bias, RoPE, positions) and its special tokens; None where it says nothing. A target's
@@ -111,7 +124,7 @@ def decoder_layer_fields(text_config: PreTrainedConfig) -> dict:
         hidden_act=getattr(text_config, "hidden_act", None),
         attention_bias=getattr(text_config, "attention_bias", None),
         max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
-        rope_parameters=dict(text_config.rope_parameters) if getattr(text_config, "rope_parameters", None) else None,
+        rope_parameters=single_rope(getattr(text_config, "rope_parameters", None)),
         bos_token_id=getattr(text_config, "bos_token_id", None),
         eos_token_id=getattr(text_config, "eos_token_id", None),
         pad_token_id=getattr(text_config, "pad_token_id", None),

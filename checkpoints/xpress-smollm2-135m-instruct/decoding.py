@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
+from .attention_masks import LayerKinds
 from .compiled import CompiledGenerationStats, check_compilable
 from .compiled_loop import compiled_steps
 from .configuration_xpress import is_integer
@@ -249,13 +250,7 @@ class EagerSteps:
 def check_tree_arguments(target, tree_nodes, assistant_confidence_threshold, num_assistant_tokens,
                          repetition_penalty, no_repeat_ngram_size, logits_processor) -> None:  # fmt: skip
     """Errors for a `tree_nodes` call that a draft tree cannot honour, before any model runs."""
-    layer_types = getattr(target.config, "layer_types", None) or []
-    if getattr(target.config, "sliding_window", None) or any(kind != "full_attention" for kind in layer_types):
-        raise ValueError(
-            "Draft trees need a target whose every layer attends to the whole context (the tree's attention mask "
-            f"spans it); this one has sliding-window or other layer types ({sorted(set(layer_types)) or 'sliding_window'}"
-            "). Use tree_nodes=None (linear blocks) with it."
-        )
+    LayerKinds.of(target.config)  # full and sliding-window layers only: a mask per kind
     if not is_integer(tree_nodes) or tree_nodes < 1:
         raise ValueError(
             f"tree_nodes must be None (a linear block), an integer >= 1 (draft nodes) or 'auto' (chosen on this "
@@ -339,8 +334,8 @@ def spec_generate(
     recursive rejection sampling; `num_assistant_tokens` then limits its depth. `tree_nodes="auto"`: the budget with the
     most expected tokens per second on this machine from the checkpoint's `config.tree_acceptance`, or linear blocks
     where no tree pays (`draft_cap.choose_draft_shape`). Both loops (compile=True: one
-    verification graph of N + 1 tokens); temperature/top-k/top-p only; targets whose layers all attend to the whole
-    context. Returns `.sequences` (prompt
+    verification graph of N + 1 tokens); temperature/top-k/top-p only. Targets with sliding-window layers (Gemma 3,
+    Mistral, ...) take every route: their windows are masks by position (`attention_masks`). Returns `.sequences` (prompt
     included) and `.stats`; the stats are also left at `xpress.generation_stats`.
     """
     check_assistant_call(target, xpress, input_ids)

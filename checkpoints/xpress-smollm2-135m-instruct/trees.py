@@ -10,7 +10,8 @@ parent path (δ_k reads the whole path x_<k). The pieces, each tested against a 
   that path, `CorrectionHead.path_deltas`), or from the drafter's marginals when the head is off
   (`jacobi_max_iters=0`, `refiner="none"`), after the same logits processors as the target's p;
 * `tree_attention_mask` / `verify_tree`: the target on [anchor, nodes] in one forward, each node at the position of
-  its depth, seeing the committed context, the anchor and its own ancestors;
+  its depth, seeing the committed context, the anchor and its own ancestors (sliding-window layers: those within
+  their window of the node's position, `attention_masks.LayerKinds`);
 * `accept_tree`: greedy follows the target's argmax down the tree; sampling is recursive rejection sampling over
   each node's children drawn without replacement (lossless; the argument is in its docstring);
 * `keep_path`: a `DynamicCache` keeps the anchor and the accepted path, drops the other nodes.
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from .attention_masks import LayerKinds
 from .refinement import gumbel_noise
 
 
@@ -196,15 +198,18 @@ def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def verify_tree(target, cache: DynamicCache, anchor: int, tree: DraftTree, **kwargs):
     """The target on [anchor, nodes] in one forward after the `cache`'s committed tokens: node j at position
-    committed + depth j, seeing the committed context, the anchor and its ancestors. Returns the forward's output
-    (logits (1, N + 1, V): row 0 predicts the anchor's child, row j + 1 node j's child)."""
+    committed + depth j, seeing the committed context, the anchor and its ancestors (a sliding-window layer: those
+    within its window of the node's position, `attention_masks`). Returns the forward's output (logits (1, N + 1, V):
+    row 0 predicts the anchor's child, row j + 1 node j's child)."""
     past = cache.get_seq_length()
     device = tree.tokens.device
     ids = torch.cat([torch.tensor([anchor], device=device), tree.tokens]).view(1, -1)
-    positions = (past + torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths])).view(1, -1)
-    mask = torch.ones(1, 1, len(tree) + 1, past + len(tree) + 1, dtype=torch.bool, device=device)
-    mask[0, 0, :, past:] = tree_attention_mask(tree.parents)
-    return target(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, **kwargs)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths])  # (N + 1,) from the anchor
+    allowed = torch.ones(len(tree) + 1, past + len(tree) + 1, dtype=torch.bool, device=device)
+    allowed[:, past:] = tree_attention_mask(tree.parents)
+    key_positions = torch.cat([torch.arange(past, device=device), past + offsets])
+    mask = LayerKinds.of(target.config).masks(allowed, past + offsets, key_positions, dtype=target.dtype, cache=cache)
+    return target(input_ids=ids, position_ids=(past + offsets).view(1, -1), attention_mask=mask, cache=cache, **kwargs)
 
 
 def accept_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
@@ -286,15 +291,19 @@ def keep_path(cache: DynamicCache, width: int, accepted: list[int]) -> None:
     cache.crop(-(width - len(rows)))
 
 
-def static_tree_mask(tree_mask: torch.Tensor, anchor_pos: torch.Tensor, cache_len: int) -> torch.Tensor:
-    """The (1, 1, W, S) attention mask of a tree verified into a static cache of S slots from slot `anchor_pos` (a 0-d
-    tensor: a graph input): every committed slot (< anchor_pos), and of the W verified slots a row's ancestors
-    (`tree_attention_mask`); nothing stale after them."""
+def static_tree_mask(kinds: LayerKinds, tree_mask: torch.Tensor, depths: torch.Tensor, anchor_pos: torch.Tensor,
+                     cache_len: int, dtype: torch.dtype):  # fmt: skip
+    """The attention mask(s) (`LayerKinds.masks`) of a tree verified into a static cache of S slots, one per position,
+    from slot `anchor_pos` (a 0-d tensor: a graph input): every committed slot (< anchor_pos), and of the W verified
+    slots a row's ancestors (`tree_attention_mask`); nothing stale after them. Row j sits at position anchor_pos +
+    depths[j]; a sliding-window layer sees only the slots within its window of that position."""
     width = tree_mask.shape[0]
-    offset = torch.arange(cache_len, device=tree_mask.device) - anchor_pos  # (S,) slot - anchor_pos
+    slots = torch.arange(cache_len, device=tree_mask.device)
+    offset = slots - anchor_pos  # (S,) slot - anchor_pos
     inside = (offset >= 0) & (offset < width)
     tree_part = tree_mask[:, offset.clamp(0, width - 1)] & inside  # (W, S)
-    return ((offset < 0) | tree_part).view(1, 1, width, cache_len)
+    key_positions = torch.where(inside, anchor_pos + depths[offset.clamp(0, width - 1)], slots)  # (S,)
+    return kinds.masks((offset < 0) | tree_part, anchor_pos + depths, key_positions, dtype=dtype)
 
 
 def keep_path_static(cache, anchor_pos: int, accepted: list[int]) -> None:
