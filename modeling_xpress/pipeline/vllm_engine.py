@@ -48,6 +48,8 @@ class VLLMEngine:
         env = {**os.environ, AUTHKEY_ENV: authkey.hex(),
                "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}  # fmt: skip
         self.log_file = Path(log_file) if log_file else None
+        if self.log_file is not None:
+            self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_file, "a") if self.log_file else subprocess.DEVNULL
         self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         accepted: list = []
