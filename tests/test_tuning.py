@@ -280,10 +280,10 @@ print(json.dumps({"cap": choice.cap, "seconds": time.perf_counter() - start, "me
 @pytest.mark.slow
 def test_fresh_processes_reuse_one_choice(tmp_path):
     """Ten fresh processes (the bundled checkpoint on SmolLM2, fp32, eager, 2 threads) with one new cache folder: the
-    first times the caps, the other nine read its record and make the same choice without timing. (If the machine was
-    too busy for the first to resolve its rounds, nothing was kept: each process then measured and chose the fewest
-    drafts it could not tell from the fastest, or, where other jobs held the cores, 1.) The figures are printed: the
-    first call's cost, the choices."""
+    first that times the caps on a quiet enough machine keeps its record, and every later one reads it and makes the
+    same choice without timing. (A process for which the machine was too busy to resolve its rounds keeps nothing: it
+    measured and chose the fewest drafts it could not tell from the fastest, or, where other jobs held the cores, 1;
+    the next process measures again.) The figures are printed: the first call's cost, the choices."""
     from modeling_xpress.bench.assets import smollm2_dir
 
     env = {**os.environ, tuning.CACHE_ENV_VAR: str(tmp_path / "cache")}
@@ -296,14 +296,15 @@ def test_fresh_processes_reuse_one_choice(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     print("\n".join(json.dumps(run) for run in runs))
-    if runs[0]["record"] is None:  # too busy to keep: every process measured for itself
-        assert all(run["measured"] > 0 for run in runs)
-        held = [run for run in runs if "other jobs held the CPU" in (run["why_not"] or "")]
-        assert all(run["cap"] == 1 for run in held)  # the simplest: nothing decided on held cores
-        return
-    assert {run["cap"] for run in runs} == {runs[0]["cap"]}
-    assert runs[0]["measured"] > 0 and all(run["measured"] == 0 for run in runs[1:])
-    assert all(run["record"] == runs[0]["record"] for run in runs)
+    kept = next((i for i, run in enumerate(runs) if run["record"] is not None), len(runs))
+    for run in runs[:kept]:  # too busy to keep: each of these measured for itself
+        assert run["measured"] > 0
+        if "other jobs held the CPU" in (run["why_not"] or ""):
+            assert run["cap"] == 1  # the simplest: nothing decided on held cores
+    if kept < len(runs):
+        assert runs[kept]["measured"] > 0  # the first record is written by a process that timed
+        for run in runs[kept + 1 :]:
+            assert run["measured"] == 0 and run["cap"] == runs[kept]["cap"] and run["record"] == runs[kept]["record"]
 
 
 def test_a_tree_must_beat_the_best_line_not_only_the_chosen_one(monkeypatch):
