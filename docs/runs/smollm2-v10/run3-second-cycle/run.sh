@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# v10, run 3: a second cosine cycle from run 2's result (head and drafter), a new row order (seed 1).
+set -euo pipefail
+cd /work/train2
+export PYTHONPATH=/work/train2
+TARGET=$(/work/main/.venv/bin/python -c "from modeling_xpress.bench.assets import smollm2_dir; print(smollm2_dir())")
+DATA=data/smollm2_task_responses,data/smollm2_task_responses_3200-4800,data/smollm2_mined_responses,data/smollm2_mined_responses_1600-3000,data/smollm2_responses
+OUT=/work/main/runs/v10/${NAME:-xpress-run3}
+RESUME=()
+last=$(ls -d $OUT/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -1 || true)
+if [ -n "$last" ]; then RESUME=(--resume_from_checkpoint "$last"); fi
+exec /work/main/.venv/bin/python examples/train_refiner.py --target "$TARGET" --target_dtype bfloat16 --bf16 \
+  --data "$DATA" --max_train_samples 4000 --train_rows_seed 0 --signal_cache /work/main/cache/signals-smollm2-v10 \
+  --init_from /work/main/runs/v10/xpress-lr1e-3 --refiner xpress --refiner_form release \
+  --refiner_rank 128 --refiner_mlp_hidden 256 --train_mode full \
+  --learning_rate ${LR:-6e-4} --drafter_lr_scale ${SCALE:-0.15} --lr_scheduler_type cosine --warmup_steps 20 \
+  --max_steps ${STEPS:-1000} --per_device_train_batch_size 4 --anchors_per_sequence 32 --max_seq_length 640 \
+  --logging_steps 5 --save_steps 100 --save_total_limit 2 --report_to none --seed 1 --threads 2 \
+  --eval_held_out 100 --eval_strategy steps --eval_steps 100 --per_device_eval_batch_size 4 \
+  --load_best_model_at_end true --metric_for_best_model eval_tau_estimate_jacobi --greater_is_better true \
+  --early_stopping_patience 3 --output_dir $OUT "${RESUME[@]}"
