@@ -196,10 +196,11 @@ def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def verify_tree(target, cache: DynamicCache, anchor: int, tree: DraftTree, **kwargs):
+def verify_tree(target, cache: DynamicCache, anchor: int, tree: DraftTree, kinds: LayerKinds | None = None, **kwargs):
     """The target on [anchor, nodes] in one forward after the `cache`'s committed tokens: node j at position
     committed + depth j, seeing the committed context, the anchor and its ancestors (a sliding-window layer: those
-    within its window of the node's position, `attention_masks`). Returns the forward's output (logits (1, N + 1, V):
+    within its window of the node's position, `attention_masks`). `kinds`: the target's `LayerKinds` (read from its
+    config when None; a decode loop passes the ones it read once). Returns the forward's output (logits (1, N + 1, V):
     row 0 predicts the anchor's child, row j + 1 node j's child)."""
     past = cache.get_seq_length()
     device = tree.tokens.device
@@ -208,7 +209,8 @@ def verify_tree(target, cache: DynamicCache, anchor: int, tree: DraftTree, **kwa
     allowed = torch.ones(len(tree) + 1, past + len(tree) + 1, dtype=torch.bool, device=device)
     allowed[:, past:] = tree_attention_mask(tree.parents)
     key_positions = torch.cat([torch.arange(past, device=device), past + offsets])
-    mask = LayerKinds.of(target.config).masks(allowed, past + offsets, key_positions, dtype=target.dtype, cache=cache)
+    kinds = LayerKinds.of(target.config) if kinds is None else kinds
+    mask = kinds.masks(allowed, past + offsets, key_positions, dtype=target.dtype, cache=cache)
     return target(input_ids=ids, position_ids=(past + offsets).view(1, -1), attention_mask=mask, cache=cache, **kwargs)
 
 
@@ -301,8 +303,9 @@ def static_tree_mask(kinds: LayerKinds, tree_mask: torch.Tensor, depths: torch.T
     slots = torch.arange(cache_len, device=tree_mask.device)
     offset = slots - anchor_pos  # (S,) slot - anchor_pos
     inside = (offset >= 0) & (offset < width)
-    tree_part = tree_mask[:, offset.clamp(0, width - 1)] & inside  # (W, S)
-    key_positions = torch.where(inside, anchor_pos + depths[offset.clamp(0, width - 1)], slots)  # (S,)
+    row = offset.clamp(0, width - 1)  # (S,) the verified row a slot holds (where `inside`)
+    tree_part = tree_mask[:, row] & inside  # (W, S)
+    key_positions = torch.where(inside, anchor_pos + depths[row], slots)  # (S,)
     return kinds.masks((offset < 0) | tree_part, anchor_pos + depths, key_positions, dtype=dtype)
 
 

@@ -194,6 +194,7 @@ class EagerSteps:
         self.draft_space = vocabulary_local(processors)  # decode over the draft vocabulary when allowed
         self.target_cache = DynamicCache(config=target.config)
         self.draft_cache = DynamicCache(config=xpress.config)
+        self.target_kinds = None if tree_nodes is None else LayerKinds.of(target.config)  # a tree's masks per kind
         self.verified = 0  # tokens of the last verification
 
     def prefill(self, input_ids):
@@ -237,7 +238,7 @@ class EagerSteps:
                 out = self.target(input_ids=verify_ids, cache=self.target_cache,
                                   output_hidden_states=self.hidden_request)  # fmt: skip
             else:
-                out = verify_tree(self.target, self.target_cache, int(sequence[0, -1]), tree,
+                out = verify_tree(self.target, self.target_cache, int(sequence[0, -1]), tree, self.target_kinds,
                                   output_hidden_states=self.hidden_request)  # fmt: skip
         # (a tree has prefix-free processors only, `check_tree_arguments`: every row is processed alike)
         p_logits = process_verification_logits(self.processors, sequence, tree.tokens, out.logits[0].float())
