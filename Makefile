@@ -49,8 +49,10 @@ $(VLLM_VENV)/.installed: setup.cfg pyproject.toml
 install: $(VENV)/.installed
 vllm: $(VLLM_VENV)/.installed
 
+# TARGET=gemma: the second bundled pair, Gemma-3-270M (a base model) and its checkpoint.
+TARGET ?= smollm2
 demo: $(VENV)/.installed
-	$(BIN)/python examples/demo.py
+	$(BIN)/python examples/demo.py --target $(TARGET)
 
 test: $(VENV)/.installed $(VLLM_VENV)/.installed
 	XPRESS_VLLM_TESTS=required $(BIN)/python -m pytest -q

@@ -1,8 +1,10 @@
 """Evaluate xPress checkpoints on SmolLM2-135M-Instruct: τ, the Jacobi K sweep, refiner latency and speed vs plain
-decoding, on HumanEval and MT-Bench first turns, all measured in one run (see benchmarks/README.md).
+decoding, on HumanEval and MT-Bench first turns, all measured in one run (see benchmarks/README.md). With `--target
+gemma`, on Gemma-3-270M, a base model: HumanEval's raw tasks, completed as they are (no chat turns, no MT-Bench).
 
     python examples/benchmark.py --methods dflash=ckpt/dflash markov=ckpt/markov xpress=ckpt/xpress \\
         --limit 20 --dtype bfloat16 --threads 2
+    python examples/benchmark.py --target gemma --methods xpress=checkpoints/xpress-gemma3-270m --limit 20
 
 Writes benchmarks/results/<run-name>.json (raw), .md (tables) and -*.png (plots).
 """
@@ -14,8 +16,9 @@ from datetime import datetime, timezone
 
 import torch
 
-from modeling_xpress.bench.assets import DTYPES, load_smollm2
+from modeling_xpress.bench.assets import DTYPES, load_gguf_target
 from modeling_xpress.bench.benchmark import evaluation_prompt_sets, load_methods, run_benchmark, write_results
+from modeling_xpress.bench.demo import BUNDLED
 from modeling_xpress.bench.settings import DEFAULT_ENTRIES, ENTRIES, BenchmarkSettings
 
 
@@ -36,6 +39,8 @@ def parse_method_spec(spec: str) -> tuple[str, str]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", choices=sorted(BUNDLED), default="smollm2",
+                        help="the target: SmolLM2-135M-Instruct (default) or Gemma-3-270M (a base model)")
     parser.add_argument("--methods", nargs="+", required=True, metavar="NAME=PATH",
                         help="saved xPress folders to compare, e.g. dflash=... markov=... xpress=...")
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -96,9 +101,10 @@ def main() -> None:
     )
 
     start = time.perf_counter()
-    target, tokenizer = load_smollm2(dtype=dtype)
+    pair = BUNDLED[args.target]
+    target, tokenizer = load_gguf_target(pair.target, dtype=dtype)
     methods = load_methods(paths, dtype=dtype, device=target.device, trust_remote_code=args.trust_remote_code)
-    prompt_sets = evaluation_prompt_sets(tokenizer, limit=args.limit)
+    prompt_sets = evaluation_prompt_sets(tokenizer, limit=args.limit, chat=pair.chat)
     load_seconds = time.perf_counter() - start
     counts = ", ".join(f"{name} {len(s.ids)}" for name, s in prompt_sets.items())
     print(f"limit: {args.limit if args.limit else 'none (full sets)'} -> prompts {counts}; dtype {args.dtype}; "
@@ -107,7 +113,7 @@ def main() -> None:
 
     results = run_benchmark(
         target, methods, prompt_sets, settings, progress=not args.no_progress,
-        metadata={"checkpoints": paths, "command": sys.argv, "load_seconds": load_seconds},
+        metadata={"target": pair.target, "checkpoints": paths, "command": sys.argv, "load_seconds": load_seconds},
     )  # fmt: skip
     written = write_results(results, args.out_dir, run_name)
     print(written["markdown"].read_text())

@@ -10,7 +10,8 @@ The prompts are a held-out split of the training data: `training_prompts(7200, s
 like the training prompts but reserved — never trained on — for choices like this one. Never HumanEval / MT-Bench.
 `--kinds task` takes them from the task-shaped set's held-out rows instead (`TASK_HELD_OUT_PROMPTS`: function stubs,
 role play, extraction, puzzles, essays), closer in shape to the evaluation sets without being them; `--kinds mined`
-from the held-out rows of the prompts mined from the standard library (`MINED_HELD_OUT_PROMPTS`).
+from the held-out rows of the prompts mined from the standard library (`MINED_HELD_OUT_PROMPTS`). `--target gemma`
+measures Gemma-3-270M and its checkpoint on the completion generator's held-out rows (text to continue).
 
     python examples/choose_draft_length.py                      # bundled checkpoint, bf16, 1 thread, 10 prompts
     python examples/choose_draft_length.py --thresholds none,0.2,0.4 --caps 4,8 --prompts 20
@@ -38,9 +39,9 @@ import torch
 from tqdm.auto import tqdm
 
 from modeling_xpress import XPressModel
-from modeling_xpress.bench.assets import DTYPES, load_smollm2
-from modeling_xpress.bench.benchmark import chat_prompt_ids, environment_info, method_info, run_plain
-from modeling_xpress.bench.demo import BUNDLED_CHECKPOINT
+from modeling_xpress.bench.assets import DTYPES, load_gguf_target
+from modeling_xpress.bench.benchmark import environment_info, method_info, prompt_ids, run_plain
+from modeling_xpress.bench.demo import BUNDLED
 from modeling_xpress.draft_cap import acceptance_from_blocks
 from modeling_xpress.decoding import spec_generate
 from modeling_xpress.stats import WallClock
@@ -111,7 +112,9 @@ def parse_thresholds(text: str) -> list[float | None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=str(BUNDLED_CHECKPOINT))
+    parser.add_argument("--target", choices=sorted(BUNDLED), default="smollm2",
+                        help="the bundled pair's target: SmolLM2-135M-Instruct (default) or Gemma-3-270M")
+    parser.add_argument("--checkpoint", default=None, help="xPress folder (default: the target's bundled one)")
     parser.add_argument("--thresholds", default="none,0.1,0.2,0.3,0.5")
     parser.add_argument("--caps", default="", help="caps (num_assistant_tokens) to compare, e.g. 4,8 or 2,3,auto")
     parser.add_argument("--heads-off", default="none", help="thresholds also run with jacobi_max_iters=0")
@@ -119,8 +122,9 @@ def main() -> None:
     parser.add_argument("--linear-layouts", default="auto",
                         help="spec_generate's linear_layout, or several to compare, e.g. input_major,packed,auto")
     parser.add_argument("--prompts", type=int, default=10)
-    parser.add_argument("--kinds", choices=sorted(GENERATORS), default="default",
-                        help="held-out prompts of the default training set, the task-shaped one or the mined one")
+    parser.add_argument("--kinds", choices=sorted(GENERATORS), default=None,
+                        help="held-out prompts of this training generator (default: 'default' for SmolLM2, "
+                        "'completion' for Gemma, the generator its pipeline recipe trains on)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--threads", type=int, default=1)
@@ -133,10 +137,13 @@ def main() -> None:
         args.out = f"benchmarks/results/draft-length-heldout{suffix}.json"
     torch.set_num_threads(args.threads)
 
-    target, tokenizer = load_smollm2(dtype=DTYPES[args.dtype])
+    pair = BUNDLED[args.target]
+    args.checkpoint = args.checkpoint or str(pair.checkpoint)
+    args.kinds = args.kinds or ("default" if args.target == "smollm2" else pair.held_out_kinds)
+    target, tokenizer = load_gguf_target(pair.target, dtype=DTYPES[args.dtype])
     xpress = XPressModel.from_pretrained(args.checkpoint, dtype=DTYPES[args.dtype]).eval()
     kinds = GENERATORS[args.kinds]
-    prompts = chat_prompt_ids(tokenizer, held_out_prompts(args.prompts, kinds=kinds))
+    prompts = prompt_ids(tokenizer, held_out_prompts(args.prompts, kinds=kinds), chat=pair.chat)
     held = held_out_indices(kinds)
     caps = [c.strip() if c.strip() == "auto" else int(c) for c in args.caps.split(",") if c.strip()]
     caps_off = [c.strip() if c.strip() == "auto" else int(c) for c in args.caps_heads_off.split(",") if c.strip()]

@@ -1,6 +1,8 @@
-"""Eager vs compiled, plain vs xPress, on SmolLM2-135M-Instruct and the bundled checkpoint, on a CPU.
+"""Eager vs compiled, plain vs xPress, on SmolLM2-135M-Instruct and the bundled checkpoint, on a CPU (`--target
+gemma`: Gemma-3-270M and its checkpoint, on held-out prompts of the completion generator it was trained on).
 
     python examples/compiled_cpu_benchmark.py --threads 2 --prompts 6 --max-new-tokens 128
+    python examples/compiled_cpu_benchmark.py --target gemma --dtype float32 --threads 2 --prompts 10
 
 Four decoders on the same chat prompts (held-out training-style prompts from `modeling_xpress.training.prompts`,
 never an evaluation set), in one run, interleaved per prompt so that load spikes hit them all:
@@ -26,13 +28,14 @@ from pathlib import Path
 import torch
 
 from modeling_xpress import XPressModel
-from modeling_xpress.bench.assets import DTYPES, load_smollm2
-from modeling_xpress.bench.benchmark import chat_prompt_ids, compiled_plain_kwargs
+from modeling_xpress.bench.assets import DTYPES, load_gguf_target
+from modeling_xpress.bench.benchmark import compiled_plain_kwargs, prompt_ids
+from modeling_xpress.bench.demo import BUNDLED
 from modeling_xpress.compiled import cache_length
 from modeling_xpress.decoding import spec_generate
+from modeling_xpress.training.prompts import GENERATORS
 from modeling_xpress.training.regeneration import held_out_prompts
 
-CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "xpress-smollm2-135m-instruct"
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 DECODERS = ("plain_eager", "plain_compiled", "xpress_eager", "xpress_compiled")
 
@@ -62,7 +65,9 @@ def make_decoders(target, xpress, max_new_tokens: int, max_cache_len: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=str(CHECKPOINT), help="xPress folder (default: the bundled one)")
+    parser.add_argument("--target", choices=sorted(BUNDLED), default="smollm2",
+                        help="the bundled pair's target: SmolLM2-135M-Instruct (default) or Gemma-3-270M")
+    parser.add_argument("--checkpoint", default=None, help="xPress folder (default: the target's bundled one)")
     parser.add_argument("--prompts", type=int, default=6, help="number of held-out prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -74,9 +79,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    target, tokenizer = load_smollm2(dtype)
+    pair = BUNDLED[args.target]
+    args.checkpoint = args.checkpoint or str(pair.checkpoint)
+    target, tokenizer = load_gguf_target(pair.target, dtype)
     xpress = XPressModel.from_pretrained(args.checkpoint, dtype=dtype).eval()
-    prompts = chat_prompt_ids(tokenizer, held_out_prompts(args.prompts))
+    kinds = None if args.target == "smollm2" else GENERATORS[pair.held_out_kinds]  # the target's training generator
+    prompts = prompt_ids(tokenizer, held_out_prompts(args.prompts, kinds=kinds), chat=pair.chat)
     # one static length for every prompt (and the warm-up), so each compiled decoder compiles once
     max_cache_len = max(ids.shape[1] for ids in prompts) + args.max_new_tokens + 2 * xpress.config.block_size
     decoders = make_decoders(target, xpress, args.max_new_tokens, max_cache_len)
@@ -137,7 +145,7 @@ def main() -> None:
     name = args.name or f"compiled-cpu-{stamp:%Y%m%d-%H%M}-{args.dtype}-t{torch.get_num_threads()}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    settings = {"checkpoint": args.checkpoint, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+    settings = {"target": pair.target, "checkpoint": args.checkpoint, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
                 "dtype": args.dtype, "threads": torch.get_num_threads(), "max_cache_len": max_cache_len,
                 "torch": torch.__version__, "date": stamp.isoformat()}  # fmt: skip
     path.write_text(json.dumps({"settings": settings, "warmup": warmup, "summary": summary, "rows": rows}, indent=2))

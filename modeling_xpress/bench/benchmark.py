@@ -116,15 +116,28 @@ def chat_prompt_ids(tokenizer, texts: Sequence[str]) -> list[torch.Tensor]:
     return out
 
 
-def evaluation_prompt_sets(tokenizer, limit: int | None = None) -> dict[str, PromptSet]:
-    """HumanEval and MT-Bench first turns, chat-templated; the first `limit` of each."""
+def prompt_ids(tokenizer, texts: Sequence[str], *, chat: bool = True) -> list[torch.Tensor]:
+    """(1, T) ids per text: a user turn in the chat template for an instruct model (`chat_prompt_ids`), or, for a
+    pretrained base model (`chat=False`), plain text to continue with the tokenizer's own special tokens (BOS)."""
+    if chat:
+        return chat_prompt_ids(tokenizer, texts)
+    return [torch.tensor([tokenizer(text)["input_ids"]]) for text in texts]
+
+
+def evaluation_prompt_sets(tokenizer, limit: int | None = None, *, chat: bool = True) -> dict[str, PromptSet]:
+    """The first `limit` of each evaluation set. An instruct model (`chat`): HumanEval tasks and MT-Bench first turns,
+    chat-templated. A pretrained base model: HumanEval's raw tasks, completed as they are (MT-Bench's questions are
+    chat turns, not text a base model continues)."""
     from .assets import humaneval_prompts, mtbench_prompts
 
+    loaders = {"humaneval": lambda: humaneval_prompts(chat=chat)}
+    if chat:
+        loaders["mtbench"] = mtbench_prompts
     sets = {}
-    for name, loader in (("humaneval", humaneval_prompts), ("mtbench", mtbench_prompts)):
+    for name, loader in loaders.items():
         rows = loader()
         rows = rows.select(range(min(limit, len(rows)))) if limit is not None else rows
-        sets[name] = PromptSet(chat_prompt_ids(tokenizer, rows["prompt"]), list(rows["id"]))
+        sets[name] = PromptSet(prompt_ids(tokenizer, rows["prompt"], chat=chat), list(rows["id"]))
     return sets
 
 
@@ -503,6 +516,7 @@ __all__ = [
     "PromptSet",
     "chat_prompt_ids",
     "evaluation_prompt_sets",
+    "prompt_ids",
     "load_methods",
     "run_benchmark",
     "write_results",

@@ -7,14 +7,56 @@ import torch
 
 from ..stats import WallClock
 
+CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
+
 # The trained checkpoint bundled with the repository, and the prompts of `make demo` and its CI test:
 # written here, in none of the training or evaluation sets.
-BUNDLED_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "xpress-smollm2-135m-instruct"
+BUNDLED_CHECKPOINT = CHECKPOINTS / "xpress-smollm2-135m-instruct"
 DEMO_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
     "A train travels 180 km in 2 hours. What is its average speed? Explain briefly.",
     "Give me three tips for staying focused while studying.",
 ]
+# Gemma-3-270M is a pretrained base model: its prompts are text to continue (written here, in none of the sets).
+COMPLETION_DEMO_PROMPTS = [
+    'def is_palindrome(text: str) -> bool:\n    """Return True if text reads the same forwards and backwards,\n'
+    '    ignoring case and spaces."""\n',
+    "Question: A train travels 180 km in 2 hours. What is its average speed?\nAnswer:",
+    "Three tips for staying focused while studying:\n1.",
+]
+
+
+@dataclass(frozen=True)
+class BundledPair:
+    """A real target (a GGUF package of `bench.assets.GGUF_PACKAGES`) and the checkpoint bundled for it: what `make
+    demo TARGET=<name>` and the measuring scripts' `--target <name>` run."""
+
+    target: str
+    checkpoint: Path
+    prompts: tuple[str, ...]
+    # The training generator whose held-out prompts choose settings for this target (`training.prompts.GENERATORS`).
+    held_out_kinds: str
+
+    @property
+    def chat(self) -> bool:
+        """An instruct target (prompts are chat turns) or a base model (prompts are text to continue)."""
+        from .assets import gguf_package
+
+        return gguf_package(self.target).chat
+
+
+BUNDLED = {
+    "smollm2": BundledPair("smollm2-135m-instruct", BUNDLED_CHECKPOINT, tuple(DEMO_PROMPTS), "task"),
+    "gemma": BundledPair("gemma3-270m", CHECKPOINTS / "xpress-gemma3-270m", tuple(COMPLETION_DEMO_PROMPTS), "completion"),
+}  # fmt: skip
+"""The bundled pairs by the name `--target` / `make demo TARGET=` takes."""
+
+
+def bundled_pair(name: str) -> BundledPair:
+    """`BUNDLED[name]`, or a ValueError naming the known pairs."""
+    if name not in BUNDLED:
+        raise ValueError(f"--target {name!r} is not a bundled pair; choose one of {sorted(BUNDLED)}")
+    return BUNDLED[name]
 
 
 @dataclass
