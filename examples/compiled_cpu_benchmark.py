@@ -145,7 +145,8 @@ def main() -> None:
     name = args.name or f"compiled-cpu-{stamp:%Y%m%d-%H%M}-{args.dtype}-t{torch.get_num_threads()}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    settings = {"target": pair.target, "checkpoint": args.checkpoint, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+    settings = {"target": pair.target, "checkpoint": args.checkpoint, "prompts": args.prompts,
+                "max_new_tokens": args.max_new_tokens,
                 "dtype": args.dtype, "threads": torch.get_num_threads(), "max_cache_len": max_cache_len,
                 "torch": torch.__version__, "date": stamp.isoformat()}  # fmt: skip
     path.write_text(json.dumps({"settings": settings, "warmup": warmup, "summary": summary, "rows": rows}, indent=2))

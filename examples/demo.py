@@ -88,8 +88,8 @@ def main() -> None:
     if args.constructed:
         target, xpress, tokenizer, prompts = constructed_pair(n_prompts=4)
     else:
-        target, xpress, tokenizer, prompts = real_pair(pair, DTYPES[args.dtype], args.checkpoint or str(pair.checkpoint),
-                                                       texts)  # fmt: skip
+        checkpoint = args.checkpoint or str(pair.checkpoint)
+        target, xpress, tokenizer, prompts = real_pair(pair, DTYPES[args.dtype], checkpoint, texts)
     cap = args.num_assistant_tokens
     if cap is None and getattr(xpress.config, "draft_acceptance", None) is not None:
         for compiled in (False, *([] if args.no_compile else [True])):
