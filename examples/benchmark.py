@@ -18,7 +18,7 @@ import torch
 
 from modeling_xpress.bench.assets import DTYPES, load_gguf_target
 from modeling_xpress.bench.benchmark import evaluation_prompt_sets, load_methods, run_benchmark, write_results
-from modeling_xpress.bench.demo import BUNDLED
+from modeling_xpress.bench.demo import BUNDLED, bundled_pair
 from modeling_xpress.bench.settings import DEFAULT_ENTRIES, ENTRIES, BenchmarkSettings
 
 
@@ -101,7 +101,7 @@ def main() -> None:
     )
 
     start = time.perf_counter()
-    pair = BUNDLED[args.target]
+    pair = bundled_pair(args.target)
     target, tokenizer = load_gguf_target(pair.target, dtype=dtype)
     methods = load_methods(paths, dtype=dtype, device=target.device, trust_remote_code=args.trust_remote_code)
     prompt_sets = evaluation_prompt_sets(tokenizer, limit=args.limit, chat=pair.chat)

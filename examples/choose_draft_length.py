@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from modeling_xpress import XPressModel
 from modeling_xpress.bench.assets import DTYPES, load_gguf_target
 from modeling_xpress.bench.benchmark import environment_info, method_info, prompt_ids, run_plain
-from modeling_xpress.bench.demo import BUNDLED
+from modeling_xpress.bench.demo import BUNDLED, bundled_pair
 from modeling_xpress.draft_cap import acceptance_from_blocks
 from modeling_xpress.decoding import spec_generate
 from modeling_xpress.stats import WallClock
@@ -137,9 +137,9 @@ def main() -> None:
         args.out = f"benchmarks/results/draft-length-heldout{suffix}.json"
     torch.set_num_threads(args.threads)
 
-    pair = BUNDLED[args.target]
+    pair = bundled_pair(args.target)
     args.checkpoint = args.checkpoint or str(pair.checkpoint)
-    args.kinds = args.kinds or ("default" if args.target == "smollm2" else pair.held_out_kinds)
+    args.kinds = args.kinds or pair.settings_kinds
     target, tokenizer = load_gguf_target(pair.target, dtype=DTYPES[args.dtype])
     xpress = XPressModel.from_pretrained(args.checkpoint, dtype=DTYPES[args.dtype]).eval()
     kinds = GENERATORS[args.kinds]

@@ -30,7 +30,7 @@ import torch
 from modeling_xpress import XPressModel
 from modeling_xpress.bench.assets import DTYPES, load_gguf_target
 from modeling_xpress.bench.benchmark import compiled_plain_kwargs, prompt_ids
-from modeling_xpress.bench.demo import BUNDLED
+from modeling_xpress.bench.demo import BUNDLED, bundled_pair
 from modeling_xpress.compiled import cache_length
 from modeling_xpress.decoding import spec_generate
 from modeling_xpress.training.prompts import GENERATORS
@@ -79,12 +79,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    pair = BUNDLED[args.target]
+    pair = bundled_pair(args.target)
     args.checkpoint = args.checkpoint or str(pair.checkpoint)
     target, tokenizer = load_gguf_target(pair.target, dtype)
     xpress = XPressModel.from_pretrained(args.checkpoint, dtype=dtype).eval()
-    kinds = None if args.target == "smollm2" else GENERATORS[pair.held_out_kinds]  # the target's training generator
-    prompts = prompt_ids(tokenizer, held_out_prompts(args.prompts, kinds=kinds), chat=pair.chat)
+    prompts = prompt_ids(tokenizer, held_out_prompts(args.prompts, kinds=GENERATORS[pair.settings_kinds]),
+                         chat=pair.chat)
     # one static length for every prompt (and the warm-up), so each compiled decoder compiles once
     max_cache_len = max(ids.shape[1] for ids in prompts) + args.max_new_tokens + 2 * xpress.config.block_size
     decoders = make_decoders(target, xpress, args.max_new_tokens, max_cache_len)

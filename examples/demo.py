@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModel
 
 from modeling_xpress.bench.assets import DTYPES
-from modeling_xpress.bench.demo import BUNDLED, BundledPair, compare_greedy, summary
+from modeling_xpress.bench.demo import BUNDLED, BundledPair, bundled_pair, compare_greedy, summary
 from modeling_xpress.training.prompts import GENERATORS
 
 
@@ -79,7 +79,7 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    pair = BUNDLED[args.target]
+    pair = bundled_pair(args.target)
     texts = list(pair.prompts)
     if args.held_out:
         from modeling_xpress.training.regeneration import held_out_prompts

@@ -34,8 +34,10 @@ class BundledPair:
     target: str
     checkpoint: Path
     prompts: tuple[str, ...]
-    # The training generator whose held-out prompts choose settings for this target (`training.prompts.GENERATORS`).
+    # `training.prompts.GENERATORS` names: whose held-out prompts `make demo --held-out` decodes, and whose held-out
+    # prompts the measuring scripts (`choose_draft_length.py`, `compiled_cpu_benchmark.py`) read by default.
     held_out_kinds: str
+    settings_kinds: str
 
     @property
     def chat(self) -> bool:
@@ -46,8 +48,9 @@ class BundledPair:
 
 
 BUNDLED = {
-    "smollm2": BundledPair("smollm2-135m-instruct", BUNDLED_CHECKPOINT, tuple(DEMO_PROMPTS), "task"),
-    "gemma": BundledPair("gemma3-270m", CHECKPOINTS / "xpress-gemma3-270m", tuple(COMPLETION_DEMO_PROMPTS), "completion"),
+    "smollm2": BundledPair("smollm2-135m-instruct", BUNDLED_CHECKPOINT, tuple(DEMO_PROMPTS), "task", "default"),
+    "gemma": BundledPair("gemma3-270m", CHECKPOINTS / "xpress-gemma3-270m", tuple(COMPLETION_DEMO_PROMPTS), "completion",
+                         "completion"),
 }  # fmt: skip
 """The bundled pairs by the name `--target` / `make demo TARGET=` takes."""
 
