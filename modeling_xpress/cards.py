@@ -56,6 +56,7 @@ def render_model_card(
     target_model: str | None = None,
     training_summary: str = "See the project README for the training recipe.",
     evaluation_summary: str = "",
+    chat: bool = True,
     template: Path = TEMPLATE,
 ) -> ModelCard:
     """Fill `hub_cards/xpress_model_card.md` from an `XPressConfig` and optional evaluation rows.
@@ -63,6 +64,8 @@ def render_model_card(
     `repo_id` is the name the card loads the checkpoint by (a Hub repo id, or the saved folder's name).
     `target_model` defaults to `config.target_model_name` (set by `XPressConfig.from_target_config`).
     `evaluation_summary` (Markdown) goes above the results table: how and where the numbers were measured.
+    `chat`: the target is a chat model (the example prompt goes through its chat template), else a base model (plain
+    text to continue).
     """
     if not template.is_file():
         raise FileNotFoundError(f"model card template {template} not found; reinstall the modeling_xpress package")
@@ -87,4 +90,9 @@ def render_model_card(
         results_table=results_markdown(results),
         evaluation_summary=evaluation_summary,
         training_summary=training_summary,
+        inputs_code=(
+            'tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True,\n'
+            '                                       return_tensors="pt", return_dict=True)' if chat else
+            'tokenizer("def fibonacci(n):", return_tensors="pt")  # a base model: text to continue'
+        ),
     )

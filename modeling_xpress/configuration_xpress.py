@@ -19,6 +19,9 @@ REFINER_TYPES = ("xpress", "markov", "none")
 # The function the xPress head computes (`refiner_form`): "release", the authors' released code and checkpoints, or
 # "paper", the equations (5)-(9) of arXiv 2608.02438 as printed (`heads.XPressRefiner` says where they differ).
 REFINER_FORMS = ("release", "paper")
+# The rows of a head's token table (`refiner_token_vocab`): one per target token, or one per draft-vocabulary token
+# and one shared by every other token.
+REFINER_TOKEN_VOCABS = ("full", "draft")
 # RoPE base of a config that does not name one (Qwen3's).
 DEFAULT_ROPE_THETA = 1_000_000.0
 # Whether a target family's attention RMS-normalises each query/key head before RoPE (Qwen3's QK-norm), by the
@@ -273,6 +276,11 @@ class XPressConfig(PreTrainedConfig):
     # Hidden width of the xPress head's Trans MLP. None → 2 · refiner_rank (the authors' mlp_ratio of 2: 512 at r = 256).
     # The "paper" form's MLP is always r → 2r → r.
     refiner_mlp_hidden: int | None = None
+    # The head's token table W_e (the authors' w1), by the previous token: "full", a row per target token; "draft", a
+    # row per draft-vocabulary token and one row shared by every other token (needs draft_vocab_size). Drafts are
+    # always draft-vocabulary tokens, so only a block's committed tokens (the anchor and the token before it) can fall
+    # on the shared row; for a 262k vocabulary at r = 256 it is 1M parameters instead of 67M.
+    refiner_token_vocab: str = "full"
     # Maximum Jacobi iterations K per block. 0 → no refiner pass: the xPress (or Markov) head drafts the drafter's own
     # marginals (exactly what refiner="none" drafts, same loop and same draft-length rule), so its contribution can be
     # measured by switching it off. The Markov head's serial decode is the same for every K ≥ 1.
@@ -334,6 +342,13 @@ class XPressConfig(PreTrainedConfig):
             raise ValueError(
                 f"refiner_mlp_hidden={self.refiner_mlp_hidden}: the \"paper\" form's MLP is r -> 2r -> r "
                 f"({2 * self.refiner_rank}); leave it None, or use refiner_form=\"release\""
+            )
+        if self.refiner_token_vocab not in REFINER_TOKEN_VOCABS:
+            raise ValueError(f"refiner_token_vocab must be one of {REFINER_TOKEN_VOCABS}, got {self.refiner_token_vocab!r}")
+        if self.refiner_token_vocab == "draft" and self.draft_vocab_size is None:
+            raise ValueError(
+                'refiner_token_vocab="draft" gives the head a row per draft-vocabulary token, but this config has no '
+                'draft vocabulary: set draft_vocab_size, or use refiner_token_vocab="full"'
             )
         for name in ("qk_norm", "window_causal", "window_anchored"):
             if not isinstance(getattr(self, name), bool):

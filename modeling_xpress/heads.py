@@ -84,6 +84,35 @@ class CorrectionHead(nn.Module):
         raise NotImplementedError
 
 
+class TokenEmbedding(nn.Embedding):
+    """A head's token table W_e, looked up by target token id. With `config.refiner_token_vocab == "draft"` it holds a
+    row per draft-vocabulary token and one last row shared by every other token; `rows` maps target ids to rows (set
+    by `set_vocabulary` from the drafter's `draft_token_ids`, which the model keeps in step)."""
+
+    def __init__(self, config: XPressConfig, rank: int):
+        compact = config.refiner_token_vocab == "draft"
+        super().__init__(config.draft_vocab_size + 1 if compact else config.vocab_size, rank)
+        # target id → row (non-persistent: rebuilt from draft_token_ids); None: the identity
+        self.register_buffer("row_of", torch.zeros(config.vocab_size, dtype=torch.long) if compact else None,
+                             persistent=False)  # fmt: skip
+
+    @torch.no_grad()
+    def set_vocabulary(self, draft_token_ids: torch.Tensor) -> None:
+        """Row k for target token `draft_token_ids[k]`, the shared last row for every other token."""
+        if self.row_of is not None:
+            self.row_of.fill_(self.num_embeddings - 1)
+            self.row_of[draft_token_ids.to(self.row_of.device)] = torch.arange(
+                draft_token_ids.shape[0], device=self.row_of.device
+            )
+
+    def rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target token ids → rows of `weight` (the ids themselves for a full table)."""
+        return tokens if self.row_of is None else self.row_of[tokens]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.rows(tokens))
+
+
 @dataclass
 class FoldedRefiner:
     """Inference form of the refiner's linear front end (paper §4.1, "Low overhead").
@@ -94,7 +123,7 @@ class FoldedRefiner:
     r-space mix.
     """
 
-    token_table: torch.Tensor  # (V, r) = W_e W_in[:, 2r:]^T
+    token_table: torch.Tensor  # (rows of W_e, r) = W_e W_in[:, 2r:]^T, read at `TokenEmbedding.rows(tokens)`
     hidden_weight: torch.Tensor  # (r, H) = W_in[:, :r] W_h
     global_weight: torch.Tensor  # (r, H) = W_in[:, r:2r] W_g
     mix: torch.Tensor  # (r, s, s) = I + L ⊙ mask
@@ -133,7 +162,7 @@ class XPressRefiner(CorrectionHead):
         slots = config.num_draft_tokens + self.offset
         self.hidden_proj = nn.Linear(config.hidden_size, r, bias=False)  # W_h (release: down_h)
         self.global_proj = nn.Linear(config.hidden_size, r, bias=False)  # W_g (down_g)
-        self.token_embed = nn.Embedding(config.vocab_size, r)  # W_e (w1)
+        self.token_embed = TokenEmbedding(config, r)  # W_e (w1)
         self.fuse = nn.Linear(3 * r, r, bias=False)  # W_in (in_proj)
         self.mix = nn.Parameter(torch.zeros(r, slots, slots))  # L (mix.L); only its masked triangle is ever used
         if self.release:  # SwiGLU Trans (mlp.gate_proj / up_proj / down_proj)
@@ -251,7 +280,8 @@ class XPressRefiner(CorrectionHead):
         f = folded or self.folded()
         tokens = previous[:, 1 - self.offset :]  # the previous token of each of the head's first m + offset slots
         rows, cols = slice(start + self.offset, tokens.shape[1]), tokens.shape[1]
-        c = prepared[:, rows] + torch.einsum("dkj,bjd->bkd", f.mix[:, rows, :cols], f.token_table[tokens])
+        token_part = f.token_table[self.token_embed.rows(tokens)]
+        c = prepared[:, rows] + torch.einsum("dkj,bjd->bkd", f.mix[:, rows, :cols], token_part)
         return self.trans_read(c)
 
 
@@ -265,7 +295,7 @@ class MarkovHead(CorrectionHead):
 
     def __init__(self, config: XPressConfig):
         super().__init__()
-        self.token_embed = nn.Embedding(config.vocab_size, config.refiner_rank)
+        self.token_embed = TokenEmbedding(config, config.refiner_rank)
         self.readout = Readout(config.refiner_rank, config.draft_vocab_size or config.vocab_size)
 
     def bias(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -220,6 +220,8 @@ class XPressPreTrainedModel(PreTrainedModel):
         if isinstance(module, XPressModel) and module.draft_token_ids is not None:
             # a placeholder until `set_draft_vocabulary` (a loaded checkpoint brings its own ids)
             init.copy_(module.draft_token_ids, torch.arange(module.draft_token_ids.shape[0]))
+        if isinstance(module, XPressModel):
+            module.sync_head_vocabulary()  # after its children (transformers initialises them first)
         if isinstance(module, XPressModel) and module.mask_embedding is not None:
             init.normal_(module.mask_embedding, mean=0.0, std=self.config.initializer_range)
 
@@ -249,6 +251,8 @@ class XPressModel(XPressPreTrainedModel):
             self.draft_token_ids = None
         self._draft_head_cache: tuple | None = None
         self.refiner = HEADS[config.refiner](config)
+        # a state dict brings draft_token_ids: the head's draft-vocabulary token table follows them
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.sync_head_vocabulary())
         # Statistics of the last `generate(assistant_model=self)` / `spec_generate` call.
         self.generation_stats = None
         self.post_init()
@@ -408,6 +412,37 @@ class XPressModel(XPressPreTrainedModel):
             raise ValueError("this drafter has no draft vocabulary: build its config with draft_vocab_size=<size>")
         check_draft_token_ids(ids, self.config.draft_vocab_size, self.config.vocab_size)
         self.draft_token_ids.copy_(ids.to(self.draft_token_ids.device))
+        self.sync_head_vocabulary()
+
+    @torch.no_grad()
+    def compact_token_table(self) -> None:
+        """Shrink the head's token table to the draft vocabulary (`config.refiner_token_vocab = "draft"`), in place:
+        row k is the old row of `draft_token_ids[k]`, the shared last row the mean of the rows of every other token.
+        Drafts are draft-vocabulary tokens, so the head's function changes only where a block's anchor or the token
+        before it lies outside the draft vocabulary; measure the checkpoint again after compacting it."""
+        from .heads import TokenEmbedding
+
+        embed = getattr(self.refiner, "token_embed", None)
+        if embed is None or self.draft_token_ids is None or self.config.refiner_token_vocab == "draft":
+            raise ValueError(
+                "compact_token_table needs a head with a token table (refiner xpress or markov), a draft vocabulary "
+                f"and a full table; this model has refiner={self.config.refiner!r}, draft_vocab_size="
+                f"{self.config.draft_vocab_size}, refiner_token_vocab={self.config.refiner_token_vocab!r}"
+            )
+        ids = self.draft_token_ids
+        others = torch.ones(embed.num_embeddings, dtype=torch.bool, device=ids.device).index_fill_(0, ids, False)
+        self.config.refiner_token_vocab = "draft"
+        compact = TokenEmbedding(self.config, embed.embedding_dim).to(embed.weight.device, embed.weight.dtype)
+        shared = embed.weight[others].float().mean(dim=0).to(embed.weight.dtype)
+        compact.weight.copy_(torch.cat([embed.weight[ids], shared[None]]))
+        self.refiner.token_embed = compact
+        self.sync_head_vocabulary()
+
+    def sync_head_vocabulary(self) -> None:
+        """Point a head's draft-vocabulary token table (`config.refiner_token_vocab == "draft"`) at `draft_token_ids`."""
+        embed = getattr(self.refiner, "token_embed", None)
+        if embed is not None and self.draft_token_ids is not None:
+            embed.set_vocabulary(self.draft_token_ids)
 
     # --- refinement ----------------------------------------------------------------------------------------------
 
@@ -527,6 +562,7 @@ class XPressModel(XPressPreTrainedModel):
         if model.draft_token_ids is not None:
             check_draft_token_ids(model.draft_token_ids, model.config.draft_vocab_size, model.config.vocab_size,
                                   where="the checkpoint's draft_token_ids")  # fmt: skip
+            model.sync_head_vocabulary()  # the ids were loaded after the head's table was initialised
         return loaded
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:

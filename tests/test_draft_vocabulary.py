@@ -1,6 +1,8 @@
 """A frequency-ranked draft vocabulary (FR-Spec / EAGLE-3): the drafter and its head read out only `draft_vocab_size`
 rows; tokens outside are never drafted (q = 0 there) and verification, unchanged, stays lossless."""
 
+import copy
+
 import pytest
 import torch
 from transformers import LogitsProcessorList
@@ -235,3 +237,70 @@ def test_trainer_trains_a_drafter_with_a_draft_vocabulary(target, tmp_path):
     assert xpress.refiner.readout.weight.shape == (48, 16) and not torch.equal(head_before, xpress.refiner.readout.weight)
     trainer.save_model(str(tmp_path / "saved"))
     assert XPressModel.from_pretrained(tmp_path / "saved").draft_token_ids.tolist() == vocabulary.tolist()
+
+
+# --- a head's token table over the draft vocabulary (config.refiner_token_vocab = "draft") ---------------------------
+
+
+@pytest.mark.parametrize("refiner", ["xpress", "markov"])
+def test_a_compacted_token_table_keeps_the_head_on_draft_tokens_and_shares_one_row_elsewhere(target, refiner):
+    """`compact_token_table` keeps each draft token's row and maps every other token to one shared row, the mean of
+    theirs: δ is unchanged wherever every previous token is a draft-vocabulary token (drafts always are), and
+    elsewhere equals the full head's δ with that mean row in place of the token's."""
+    torch.manual_seed(5)
+    vocabulary = torch.randperm(96)[:40]
+    full = with_vocabulary(tiny_xpress(target, refiner=refiner), vocabulary.tolist())
+    compact = with_vocabulary(tiny_xpress(target, refiner=refiner), vocabulary.tolist())
+    compact.compact_token_table()
+    assert compact.config.refiner_token_vocab == "draft" and compact.refiner.token_embed.weight.shape == (41, 16)
+    hidden = torch.randn(2, full.config.block_size, 64)
+    inside = vocabulary[torch.randint(0, 40, (2, full.config.block_size))]
+    torch.testing.assert_close(compact.refiner(hidden, inside), full.refiner(hidden, inside))
+    outside_ids = torch.tensor([i for i in range(96) if i not in set(vocabulary.tolist())])
+    previous = inside.clone()
+    previous[:, 1] = outside_ids[:2]  # the anchor (slot 1's previous token) outside the draft vocabulary
+    with torch.no_grad():
+        full.refiner.token_embed.weight[outside_ids] = full.refiner.token_embed.weight[outside_ids].mean(dim=0)
+    torch.testing.assert_close(compact.refiner(hidden, previous), full.refiner(hidden, previous))
+    assert not torch.allclose(compact.refiner(hidden, previous), compact.refiner(hidden, inside))
+
+
+@pytest.mark.parametrize("refiner", ["xpress", "markov"])
+def test_a_draft_vocabulary_token_table_decodes_exactly_on_every_route(target, refiner, tmp_path):
+    """Greedy identity through `generate(assistant_model=)`, `spec_generate` and a draft tree, and Jacobi over the
+    folded table (`delta_folded`) equal to the teacher-forced head; the table's row map survives a save and load and
+    a `load_state_dict` into a fresh model."""
+    torch.manual_seed(6)
+    vocabulary = torch.randperm(96)[:48].tolist()
+    xpress = with_vocabulary(tiny_xpress(target, refiner=refiner), vocabulary)
+    xpress.compact_token_table()
+    ids = prompts(target.config.vocab_size)[0]
+    expected = target.generate(ids, max_new_tokens=24, do_sample=False)
+    assert torch.equal(target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=xpress), expected)
+    assert torch.equal(xpress.spec_generate(target, ids, max_new_tokens=24).sequences, expected)
+    assert torch.equal(xpress.spec_generate(target, ids, max_new_tokens=24, tree_nodes=6).sequences, expected)
+    if refiner == "xpress":
+        head = copy.deepcopy(xpress.refiner).double()  # float64: folding reassociates the products
+        hidden = torch.randn(1, xpress.config.block_size, 64, dtype=torch.float64)
+        outside = next(t for t in range(96) if t not in vocabulary)  # x_-1 outside: the shared row
+        previous = torch.tensor([[outside] + vocabulary[1:2] + vocabulary[5:11]])
+        torch.testing.assert_close(head.delta_folded(head.prepare(hidden), previous), head(hidden, previous))
+    xpress.save_pretrained(tmp_path / "x")
+    loaded = XPressModel.from_pretrained(tmp_path / "x").eval()
+    assert loaded.config.refiner_token_vocab == "draft"
+    assert torch.equal(loaded.refiner.token_embed.row_of, xpress.refiner.token_embed.row_of)
+    fresh = XPressModel(loaded.config).eval()
+    fresh.load_state_dict(xpress.state_dict())
+    assert torch.equal(fresh.refiner.token_embed.row_of, xpress.refiner.token_embed.row_of)
+    assert torch.equal(loaded.spec_generate(target, ids, max_new_tokens=24).sequences, expected)
+
+
+def test_a_draft_vocabulary_token_table_refuses_what_it_cannot_be(target):
+    with pytest.raises(ValueError, match='refiner_token_vocab="draft" .* no draft vocabulary: set draft_vocab_size'):
+        XPressConfig.from_target_config(target.config, refiner_token_vocab="draft")
+    with pytest.raises(ValueError, match="refiner_token_vocab must be one of"):
+        XPressConfig.from_target_config(target.config, draft_vocab_size=8, refiner_token_vocab="small")
+    with pytest.raises(ValueError, match="compact_token_table needs .* a draft vocabulary"):
+        tiny_xpress(target).compact_token_table()
+    with pytest.raises(ValueError, match="compact_token_table needs a head with a token table"):
+        with_vocabulary(tiny_xpress(target, refiner="none"), list(range(8))).compact_token_table()

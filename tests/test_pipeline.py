@@ -164,11 +164,13 @@ def test_llama_target_end_to_end_resumes_interrupted_stages_and_records_every_st
 def test_gemma3_base_target_end_to_end_with_sliding_windows_and_plain_text_prompts(tmp_path):
     """A base model: completion prompts go in as plain text (no chat template), its layers are not the drafter's (a
     fresh drafter, and the record says why), its sliding windows (8 tokens, prompts of hundreds) are masks of every
-    decoding route, trees included: tree_acceptance is measured like a full-attention target's."""
+    decoding route, trees included: tree_acceptance is measured like a full-attention target's. As the real Gemma
+    recipe, the head's token table is compacted to the draft vocabulary before it is measured and saved."""
     tokenizer = char_tokenizer(chat_template=None)
     gemma = tiny_gemma3(vocab_size=128, bos_token_id=2, eos_token_id=EOS, pad_token_id=0)
     target = save_target(tmp_path / "target", gemma, tokenizer)
-    recipe = make_recipe({"chat_template": False, "prompt_sets": [{"kinds": "completion", "n": 6}]} | TINY | GENERATE)
+    recipe = make_recipe({"chat_template": False, "prompt_sets": [{"kinds": "completion", "n": 6}],
+                          "compact_token_table": True} | TINY | GENERATE)  # fmt: skip
     out = tmp_path / "run"
     run_pipeline(target, recipe, out, recipe_name="tiny-gemma")
 
@@ -188,6 +190,8 @@ def test_gemma3_base_target_end_to_end_with_sliding_windows_and_plain_text_promp
     assert measured["identical"] == measured["outputs"] == 2 * 4  # head on and off, two trees: the target's own
     model = XPressModel.from_pretrained(out / "model")
     assert model.config.tree_acceptance and model.config.draft_acceptance == measured["draft_acceptance"]
+    assert model.config.refiner_token_vocab == "draft" and model.refiner.token_embed.num_embeddings == 24 + 1
+    assert XPressModel.from_pretrained(out / "xpress").refiner.token_embed.num_embeddings == 128  # trained: full
     ids = torch.tensor([tokenizer(held_out_prompts(1, GENERATORS["completion"])[0])["input_ids"]])
     reference = gemma.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     assert torch.equal(model.spec_generate(gemma, ids, max_new_tokens=12).sequences, reference)

@@ -151,6 +151,10 @@ class Recipe:
     final: str | None = None
     # The saved model's dtype.
     save_dtype: str = "bfloat16"
+    # Measure and save the head with its token table over the draft vocabulary (`XPressModel.compact_token_table`):
+    # for a large vocabulary (Gemma-3's 262,144 tokens at r = 256: 67M parameters, 134 MB in bf16) that table is most
+    # of the folder, and only a block's committed tokens outside the draft vocabulary fall on its shared row.
+    compact_token_table: bool = False
 
     def __post_init__(self):
         self.prompt_sets = [p if isinstance(p, PromptSet) else _prompt_set(p) for p in self.prompt_sets]

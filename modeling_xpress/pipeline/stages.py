@@ -404,10 +404,18 @@ class Pipeline:
             raise ValueError(f"{folder} holds no trained model: run the {self.recipe.final_stage} stage first")
         return folder
 
+    def final_model(self, dtype: str) -> XPressModel:
+        """The final stage's model as `measure` decodes it and `save` writes it (its token table compacted to the draft
+        vocabulary when the recipe says `compact_token_table`, so both see the same function)."""
+        model = XPressModel.from_pretrained(self.final_model_folder(), dtype=DTYPES[dtype])
+        if self.recipe.compact_token_table:
+            model.compact_token_table()
+        return model
+
     def stage_measure(self) -> dict:
         r = self.recipe
         target, tokenizer = self.model(r.measure_dtype), self.tokenizer()
-        xpress = XPressModel.from_pretrained(self.final_model_folder(), dtype=DTYPES[r.measure_dtype]).eval()
+        xpress = self.final_model(r.measure_dtype).eval()
         texts = held_out_prompts(r.measure_prompts, kinds=GENERATORS[r.measure_generator])
         prompts = [torch.tensor([ids]) for ids in prompt_token_ids(tokenizer, texts, r.system_prompt, r.chat_template)]
         refusal = tree_refusal(target)
@@ -442,7 +450,7 @@ class Pipeline:
     def stage_save(self) -> dict:
         r = self.recipe
         measured = self.records.load("measure")
-        model = XPressModel.from_pretrained(self.final_model_folder(), dtype=DTYPES[r.save_dtype])
+        model = self.final_model(r.save_dtype)
         target = self.resolved()
         model.config.target_model_name = target.hub_id or target.spec
         results = {"folder": str(self.out / "model"), "from": str(self.final_model_folder())}
@@ -474,7 +482,7 @@ class Pipeline:
             rows += [{"dataset": f"held-out {r.measure_generator}", "temperature": 0.0, "method": f"tree of {n} nodes",
                       "tau": tau} for n, tau in m["tree_acceptance"].items()]  # fmt: skip
         card = render_model_card(
-            model.config, results=rows, repo_id=out.name, target_model=target.hub_id or target.spec,
+            model.config, results=rows, repo_id=out.name, target_model=target.hub_id or target.spec, chat=r.chat_template,
             training_summary=(f"Made by the xPress pipeline (`python -m modeling_xpress.pipeline`), recipe "
                               f"`{self.recipe_name}`: {r.description}\n\n{training_table(stages)}"),
             evaluation_summary=(
