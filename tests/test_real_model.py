@@ -18,7 +18,7 @@ import modeling_xpress
 from modeling_xpress import XPressConfig, XPressModel
 from modeling_xpress.bench.assets import load_smollm2
 from modeling_xpress.bench.benchmark import chat_prompt_ids
-from modeling_xpress.bench.demo import BUNDLED_CHECKPOINT, DEMO_PROMPTS
+from modeling_xpress.bench.demo import BUNDLED, BUNDLED_CHECKPOINT, DEMO_PROMPTS
 from modeling_xpress.hub_files import RECIPE
 
 pytestmark = pytest.mark.slow  # minutes on a 2-core CPU; `pytest -m "not slow"` skips them
@@ -97,18 +97,19 @@ TAU_MEASURED = 2.089
 TAU_FLOOR = 1.8
 
 
-def test_bundled_checkpoint_code_matches_package():
-    """The code files inside the bundled folder are the package's own (re-bundle after changing the package)."""
+@pytest.mark.parametrize("folder", [pair.checkpoint for pair in BUNDLED.values()], ids=list(BUNDLED))
+def test_bundled_checkpoint_code_matches_package(folder):
+    """The code files inside each bundled folder are the package's own (re-bundle after changing the package)."""
     from transformers.dynamic_module_utils import get_relative_import_files
 
     package = Path(modeling_xpress.__file__).parent
-    shipped = sorted(p.name for p in BUNDLED_CHECKPOINT.glob("*.py"))
+    shipped = sorted(p.name for p in folder.glob("*.py"))
     needed = {Path(f).name for name in ("modeling_xpress.py", "configuration_xpress.py")
               for f in [package / name, *get_relative_import_files(str(package / name))]}  # fmt: skip
     assert set(shipped) == needed, f"the bundled folder's code files {shipped} are not the ones it imports {sorted(needed)}"
     for name in shipped:
-        assert (BUNDLED_CHECKPOINT / name).read_text() == (package / name).read_text(), f"{name} is stale"
-    assert (BUNDLED_CHECKPOINT / RECIPE).read_text() == (package / RECIPE).read_text(), f"{RECIPE} is stale"
+        assert (folder / name).read_text() == (package / name).read_text(), f"{name} is stale"
+    assert (folder / RECIPE).read_text() == (package / RECIPE).read_text(), f"{RECIPE} is stale"
 
 
 def test_bundled_checkpoint_is_exact_and_accepts(smollm2):

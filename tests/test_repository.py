@@ -1,4 +1,4 @@
-"""What the git checkout may hold: no pickled files, no large binaries, and no checkpoint but the bundled one.
+"""What the git checkout may hold: no pickled files, no large binaries, and no checkpoints but the bundled ones.
 
 The training snapshots that used to live under `checkpoints/training/` are recorded as text under `docs/runs/` (their
 weights are in git history)."""
@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from modeling_xpress.bench.demo import BUNDLED as BUNDLED_PAIRS
+
 REPO = Path(__file__).resolve().parent.parent
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
 MAX_BYTES = 5_000_000  # 5 MB
-BUNDLED = "checkpoints/xpress-smollm2-135m-instruct/"
-BUNDLED_WEIGHTS = BUNDLED + "model.safetensors"
+BUNDLED = [f"checkpoints/{pair.checkpoint.name}/" for pair in BUNDLED_PAIRS.values()]  # `make demo TARGET=` folders
+BUNDLED_WEIGHTS = [folder + "model.safetensors" for folder in BUNDLED]
 
 
 def tracked_files() -> list[str]:
@@ -43,24 +45,25 @@ def test_no_pickled_file_is_tracked():
 def test_no_large_file_is_tracked():
     too_large = {}
     for path in tracked_files():
-        if path == BUNDLED_WEIGHTS:
+        if path in BUNDLED_WEIGHTS:
             continue
         file = REPO / path
         if file.is_file() and not file.is_symlink() and file.stat().st_size > MAX_BYTES:
             too_large[path] = file.stat().st_size
     assert not too_large, (
-        f"tracked files over {MAX_BYTES:,} bytes: {dict(sorted(too_large.items()))}. Only the bundled checkpoint's "
+        f"tracked files over {MAX_BYTES:,} bytes: {dict(sorted(too_large.items()))}. Only the bundled checkpoints' "
         f"{BUNDLED_WEIGHTS} may be that large. Do not commit checkpoints, caches or results this big: keep them out "
         "of the tree (runs/, cache/, checkpoints/training/ are ignored) and record runs as text under docs/runs/."
     )
 
 
-def test_only_the_bundled_checkpoint_is_under_checkpoints():
+def test_only_the_bundled_checkpoints_are_under_checkpoints():
     tracked = tracked_files()
-    assert BUNDLED_WEIGHTS in tracked, f"the bundled checkpoint's weights {BUNDLED_WEIGHTS} are not tracked"
-    others = sorted(path for path in tracked if path.startswith("checkpoints/") and not path.startswith(BUNDLED))
+    missing = [weights for weights in BUNDLED_WEIGHTS if weights not in tracked]
+    assert not missing, f"the bundled checkpoints' weights {missing} are not tracked (bench.demo.BUNDLED names them)"
+    others = sorted(path for path in tracked if path.startswith("checkpoints/") and not path.startswith(tuple(BUNDLED)))
     assert not others, (
-        f"checkpoints/ holds tracked files outside the bundled checkpoint {BUNDLED}: {others[:10]}"
+        f"checkpoints/ holds tracked files outside the bundled checkpoints {BUNDLED}: {others[:10]}"
         f"{' ...' if len(others) > 10 else ''}. Training snapshots do not belong in git: `git rm` them and record the "
         "run as text (recipe, config, curves JSON, one plot) under docs/runs/."
     )

@@ -1,0 +1,354 @@
+"""CPU tuning of the decode loops' few-row matrix products: `LinearPolicy` for a CPU (`policy.py`).
+
+A verification multiplies a few rows (anchor + drafts) by every weight of the target, and a drafter block B rows by
+every drafter weight. Some CPU BLAS builds run `F.linear(x, W)` = x·Wᵀ for 2–3 rows through a per-row path: on a 2-core
+AMD EPYC (MKL, fp32) the SmolLM2 lm_head (49,152 × 576) took 6.8 ms for 1 row, 20 ms for 3 and 9.8 ms for 4, and a
+3-token verification cost two plain decoding steps. The same product computed weight-major, (W·xᵀ)ᵀ, is one streaming
+pass over W: 3.1 ms for 3 rows. And MKL can prepack a weight for its GEMM kernels once (`cblas_sgemm_pack`), after
+which a few rows cost about one: on a 2-core Intel Xeon (Ice Lake, AVX-512) all of SmolLM2's products over 4 / 8 / 16
+rows took 53 / 65 / 111 ms input-major and 30 / 31 / 41 ms packed. Which layout is fastest depends on the CPU and its
+BLAS, so "auto" times them on the models' own weights (`weight_major_pays`, `packed_pays`), once per weight shapes,
+row count and thread count in a process.
+
+Everything here is reached through a `CpuLinearPolicy` that a decoder owns: the layouts it decided, for its own
+weight groups. What is kept across decoders pins no model: timings by weight shapes, and packs that die with their
+weight (`_PACKS`).
+
+This file travels with every saved checkpoint; it imports only torch and its siblings.
+"""
+
+import contextlib
+import re
+import statistics
+import weakref
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .policy import LinearPolicy, product_sweeps, time_rounds, timing_input
+from .stats import median_seconds
+
+# Weight-major (or packed) is chosen only if the timed products are at least 1.25× faster that way: the microbenchmark
+# leaves out what the layout changes around the product inside a graph. Measured on SmolLM2 (2-core AMD EPYC), whole
+# compiled target forwards: fp32 at 3 rows 82 → 30 ms weight-major (products 2.6× faster), at 16 rows 75 → 66 ms
+# (1.26×); bf16 at 16 rows 26.5 → 33.6 ms, slower, although its products timed 1.15× faster.
+WEIGHT_MAJOR_MARGIN = 0.8
+
+
+class _FewRowLinear(TorchFunctionMode):
+    """Inside this mode `F.linear(x, W, b)` with at most `max_rows` rows of x (and a weight `applies` accepts) is
+    computed as `product(x_2d, W)` (+ b): the same product, another kernel. Entered inside a compiled function, it is
+    traced into the graph (no Python cost per call). Other functions, and larger inputs, are untouched."""
+
+    def __init__(self, max_rows: int):
+        super().__init__()
+        self.max_rows = max_rows
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return weight.dim() == 2
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+            if self.applies(x, weight) and x.dim() >= 2 and 0 < rows <= self.max_rows:
+                out = self.product(x.reshape(rows, x.shape[-1]), weight)
+                if bias is not None:
+                    out = out + bias
+                return out.reshape(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
+
+
+class WeightMajorLinear(_FewRowLinear):
+    """`F.linear` over a few rows computed as `(W @ x_2dᵀ)ᵀ + b`: the same product, another operand order for the
+    BLAS (`_FewRowLinear`)."""
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.mm(weight, x.t()).t()
+
+
+_LAYOUT_TIMINGS: dict[tuple, tuple[float, float]] = {}  # by shapes: they decide the timing, and pin no model
+
+
+@torch.no_grad()
+def weight_major_pays(weights, rows: int, repeats: int = 5) -> bool:
+    """Whether `F.linear` over `rows` input rows is faster weight-major than input-major on these weights: the sum of
+    each distinct weight shape's median time, times how many weights have that shape, by at least
+    `WEIGHT_MAJOR_MARGIN`. Timed on the weights themselves (their memory layout is what the BLAS reads); each (shape,
+    dtype, rows, threads) is timed once per process."""
+    by_shape: dict[tuple, list[torch.Tensor]] = {}
+    for weight in weights:
+        by_shape.setdefault((tuple(weight.shape), weight.dtype, weight.device.type), []).append(weight)
+    input_major = weight_major = 0.0
+    for key, group in by_shape.items():
+        timing_key = (*key, rows, torch.get_num_threads())
+        if timing_key not in _LAYOUT_TIMINGS:
+            weight = group[0]
+            x = timing_input(rows, weight)
+            _LAYOUT_TIMINGS[timing_key] = (
+                median_seconds(lambda: F.linear(x, weight), repeats),
+                median_seconds(lambda: torch.mm(weight, x.t()).t(), repeats),
+            )
+        t_input, t_weight = _LAYOUT_TIMINGS[timing_key]
+        input_major += len(group) * t_input
+        weight_major += len(group) * t_weight
+    return weight_major < WEIGHT_MAJOR_MARGIN * input_major
+
+
+def weight_major_layout(linear_layout: str, weights, rows: int) -> bool:
+    """Whether `linear_layout` computes `F.linear` over `rows` rows of these weights weight-major: "weight_major"
+    always, "input_major" never, "auto" where `weight_major_pays` (never on a GPU). The one rule of the compiled
+    graphs, the eager loops' verification and `draft_cap` (through their `CpuLinearPolicy`)."""
+    if linear_layout != "auto":
+        return linear_layout == "weight_major"
+    return weights[0].device.type != "cuda" and weight_major_pays(weights, rows)
+
+
+# --- MKL packed weights (CPU, fp32) ------------------------------------------------------------------------------
+# MKL can prepack a GEMM operand into its kernels' own blocked layout once (`cblas_sgemm_pack`) and then multiply
+# input rows by it (`cblas_sgemm_compute`); torch exposes both (`torch.ops.mkl._mkl_reorder_linear_weight` /
+# `_mkl_linear`), and inductor's `freezing` uses them for fp32 linears. For the few rows of a verification this is the
+# fastest product measured on the 2-core Intel Xeon (Ice Lake, AVX-512) of this project: all of SmolLM2's products
+# over 4 / 8 / 16 rows took 53 / 65 / 111 ms input-major and 30 / 31 / 41 ms packed (one row: ~26 ms either way; 2-3
+# rows: input-major is as fast). A pack is made for a row count: packed for 1 row and used for 4, the same products
+# took 37 ms. So packs are kept per (weight, rows), each +1x that weight's memory, made only for the widths a decoder
+# runs (`CpuLinearPolicy.prepare`), until the weight is freed or `release_packed_weights()`. The graphs call them
+# through one operator with the weight as its
+# input, so no weight is folded into a graph: a weight changed in place is repacked at its next use (its version
+# counter moved), and a (weight, rows) that was never packed goes through `F.linear`.
+
+# (data_ptr, rows) -> (shape, stride, version, pack). The entry holds no reference to its weight: a finalizer drops it
+# when the weight is freed, so a deleted model takes its packs with it (and a new tensor at the same address never
+# finds a stale pack).
+_PACKS: dict[tuple[int, int], tuple[torch.Size, tuple, int, torch.Tensor]] = {}
+_PACKING_WORKS: list[bool] = []
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+
+
+def mkl_packing_available() -> bool:
+    """Whether this torch build has MKL's packed GEMM and it computes `F.linear` here (checked once per process on a
+    small weight)."""
+    if not _PACKING_WORKS:
+        works = bool(torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
+        if works:
+            try:
+                generator = torch.Generator().manual_seed(0)
+                weight = torch.randn(72, 40, generator=generator)
+                for rows in (1, 3, 16):
+                    x = torch.randn(rows, 40, generator=generator)
+                    out = torch.ops.mkl._mkl_linear(x, _pack(weight, rows), weight, None, rows)
+                    works &= torch.allclose(out, F.linear(x, weight), rtol=1e-4, atol=1e-5)
+            except RuntimeError:  # a build whose MKL ops exist but do not run here
+                works = False
+        _PACKING_WORKS.append(works)
+    return _PACKING_WORKS[0]
+
+
+def _version(weight: torch.Tensor) -> int:
+    """The weight's in-place version counter. A tensor made under `torch.inference_mode` (a model loaded there, or the
+    draft readout's lm_head rows cut there) has none: it counts as never changed in place (-1), so its pack is made
+    again only for a new data pointer or shape."""
+    return -1 if weight.is_inference() else weight._version
+
+
+def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+
+
+def _keep_pack(weight: torch.Tensor, rows: int, new: bool) -> None:
+    key = (weight.data_ptr(), rows)
+    _PACKS[key] = (weight.shape, weight.stride(), _version(weight), _pack(weight, rows))
+    if new:
+        weakref.finalize(weight, _PACKS.pop, key, None)
+
+
+def pack_weights(weights, rows: int) -> list[torch.Tensor]:
+    """Prepack the fp32 CPU weights among `weights` for products over `rows` input rows (once each; again if one
+    changed in place since). Returns the weights that had no pack for `rows` before."""
+    new = []
+    for weight in weights:
+        if _packable(weight):
+            kept = _PACKS.get((weight.data_ptr(), rows))
+            if kept is None:
+                new.append(weight)
+            if kept is None or kept[2] != _version(weight) or kept[0] != weight.shape:
+                _keep_pack(weight, rows, new=kept is None)
+    return new
+
+
+def release_packed_weights(weights=None, rows: int | None = None) -> None:
+    """Drop the packs of `weights` for `rows` rows, or every kept pack (`release_compiled_decoders` does this)."""
+    if weights is None:
+        _PACKS.clear()
+        return
+    for weight in weights:
+        _PACKS.pop((weight.data_ptr(), rows), None)
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (rows, in) · Wᵀ with W's pack for that many rows; `F.linear` where there is none."""
+    key = (weight.data_ptr(), x.shape[0])
+    kept = _PACKS.get(key)
+    if kept is None or kept[0] != weight.shape or kept[1] != weight.stride():
+        return F.linear(x, weight)
+    if kept[2] != _version(weight):  # changed in place since it was packed
+        _keep_pack(weight, x.shape[0], new=False)
+        kept = _PACKS[key]
+    return torch.ops.mkl._mkl_linear(x.contiguous(), kept[3], weight, None, x.shape[0])
+
+
+# An operator of its own, so a compiled graph calls it as one opaque kernel with the weight as its input. Registered
+# with a CPU kernel (`torch.library.Library`): as a `torch.library.custom_op` each call cost ~60 µs more inside a
+# graph, against ~20 µs for a whole small product. Named after this module: the package and a checkpoint's copy of
+# this file (loaded with trust_remote_code) can live in one process.
+_OP_NAMESPACE = "xpress_" + re.sub(r"\W", "_", __name__)
+_LIBRARY = torch.library.Library(_OP_NAMESPACE, "DEF")
+_LIBRARY.define("packed_linear(Tensor x, Tensor weight) -> Tensor")
+_LIBRARY.impl("packed_linear", _packed_linear, "CPU")
+torch.library.register_fake(f"{_OP_NAMESPACE}::packed_linear", lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]),
+                            lib=_LIBRARY)  # fmt: skip
+packed_linear = getattr(torch.ops, _OP_NAMESPACE).packed_linear.default
+
+
+class PackedLinear(_FewRowLinear):
+    """`F.linear` over a few rows of x with an fp32 CPU weight computed with W's MKL pack for that many rows
+    (`pack_weights`; a weight without one goes through `F.linear`)."""
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return _packable(weight) and x.dtype == weight.dtype
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, weight)
+
+
+_PACKED_TIMINGS: dict[tuple, tuple[float, float, float]] = {}
+
+
+@torch.no_grad()
+def packed_pays(weights, rows: int, repeats: int = 3) -> bool:
+    """Whether `F.linear` over `rows` rows of these weights is faster with MKL-packed weights than both other layouts,
+    and than input-major by `WEIGHT_MAJOR_MARGIN`. Timed as a forward streams them (`products_seconds`:
+    every weight once, packed for `rows`, the packs dropped after): one weight timed over and over stays in cache,
+    and on the Intel Xeon that ranked the layouts differently from the forward. Each (weight shapes, rows, threads)
+    is timed once per process. False where packing is unavailable or a weight is not fp32 on a CPU."""
+    if not mkl_packing_available() or not all(_packable(weight) for weight in weights):
+        return False
+    key = (tuple((tuple(weight.shape), weight.dtype) for weight in weights), rows, torch.get_num_threads())
+    if key not in _PACKED_TIMINGS:
+        jobs = [(weights, rows, kind) for kind in ("packed", "input_major", "weight_major")]
+        _PACKED_TIMINGS[key] = tuple(products_seconds(jobs, repeats=repeats))
+    packed, input_major, weight_major = _PACKED_TIMINGS[key]
+    return packed < WEIGHT_MAJOR_MARGIN * input_major and packed < weight_major
+
+
+def linear_layout_kind(linear_layout: str, weights, rows: int) -> str:
+    """The layout the compiled graphs use for `F.linear` over `rows` rows of these weights: "packed" where asked (for
+    weights that are all float32 on the CPU) or, with "auto", where `packed_pays`; else "weight_major" where
+    `weight_major_layout` says so; else "input_major"."""
+    if linear_layout == "packed":
+        return "packed" if all(_packable(weight) for weight in weights) else "input_major"
+    if linear_layout == "auto" and weights[0].device.type != "cuda" and packed_pays(weights, rows):
+        return "packed"
+    return "weight_major" if weight_major_layout(linear_layout, weights, rows) else "input_major"
+
+
+def linear_mode(kind: str, max_rows: int):
+    """The context that computes `F.linear` over at most `max_rows` rows in layout `kind`."""
+    if kind == "packed":
+        return PackedLinear(max_rows)
+    if kind == "weight_major":
+        return WeightMajorLinear(max_rows)
+    return contextlib.nullcontext()
+
+
+def check_packed_layout(weights) -> None:
+    """`linear_layout="packed"` needs MKL's packed GEMM and fp32 CPU weights: an error that says so, before tracing."""
+    if not mkl_packing_available():
+        raise ValueError(
+            "linear_layout='packed' needs MKL's packed GEMM, which this torch build or CPU does not provide: use "
+            "linear_layout='auto' (it picks the fastest layout available here)."
+        )
+    bad = sorted({f"{weight.dtype} on {weight.device.type}" for weight in weights if not _packable(weight)})
+    if bad:
+        raise ValueError(
+            f"linear_layout='packed' packs float32 weights on a CPU, but these models have weights in {', '.join(bad)}: "
+            "load them in float32 on the CPU, or use linear_layout='auto'."
+        )
+
+
+@torch.no_grad()
+def products_samples(jobs: Sequence[tuple[Sequence[torch.Tensor], int, str]], *, rounds: int = 5) -> list[list[float]]:
+    """Seconds of each job (weights, rows, layout) in each of `rounds` rounds: one pass of `rows` input rows through
+    every weight in turn, as a forward multiplies them (each weight once, so they stream from memory), in that layout:
+    `F.linear(x, W)`, `(W @ x.T).T` ("weight_major") or W's MKL pack for that many rows ("packed"). The unpacked jobs
+    are timed in turn, round by round (`policy.time_rounds`), so a drift in the machine's speed hits them alike; each
+    packed job is timed alone, its rounds between packing its weights and dropping the packs it made, so at most one
+    extra copy of the weights is held."""
+    product = {"input_major": F.linear, "weight_major": lambda x, w: torch.mm(w, x.t()), "packed": packed_linear}
+    sweeps = product_sweeps([(weights, rows, product[kind]) for weights, rows, kind in jobs])
+    device = jobs[0][0][0].device
+    in_turn = [i for i, job in enumerate(jobs) if job[2] != "packed"]
+    samples = dict(zip(in_turn, time_rounds([sweeps[i] for i in in_turn], device, rounds)))
+    for i, (weights, rows, kind) in enumerate(jobs):
+        if kind == "packed":
+            new = pack_weights(weights, rows)
+            samples[i] = time_rounds([sweeps[i]], device, rounds)[0]
+            release_packed_weights(new, rows)
+    return [samples[i] for i in range(len(jobs))]
+
+
+def products_seconds(jobs: Sequence[tuple[Sequence[torch.Tensor], int, str]], *, repeats: int = 5) -> list[float]:
+    """Median seconds of each job (`products_samples`)."""
+    return [statistics.median(times) for times in products_samples(jobs, rounds=repeats)]
+
+
+class CpuLinearPolicy(LinearPolicy):
+    """`LinearPolicy` on a CPU. A group in `tuned` (default: every group) runs where its timing says: packed (for a
+    group in `packable`, float32 weights), else weight-major, else input-major (`linear_layout_kind`, or
+    `weight_major_layout` for a group that may not pack); a group not in `tuned` runs input-major. `linear_layout`
+    other than "auto" forces a layout. Packs are made by `prepare`, for the row counts a decoder runs, and again if
+    they were released or a weight changed in place."""
+
+    def __init__(self, linear_layout: str, weights: dict, *, packable=(), tuned=None):
+        super().__init__(linear_layout, weights)
+        self.packable = frozenset(packable)
+        self.tuned = frozenset(weights if tuned is None else tuned)
+        self.packed_rows: set[tuple[str, int]] = set()  # (group, rows) this policy made packs for
+
+    def decide(self, group: str, rows: int) -> str:
+        weights = self.weights[group]
+        if group not in self.tuned:
+            return "input_major"
+        if group in self.packable:
+            return linear_layout_kind(self.linear_layout, weights, rows)
+        return "weight_major" if weight_major_layout(self.linear_layout, weights, rows) else "input_major"
+
+    def prepare(self, group: str, rows: int, *more_rows: int) -> None:
+        if self.kind(group, rows) == "packed":
+            for count in (rows, *more_rows):
+                pack_weights(self.weights[group], count)
+                self.packed_rows.add((group, count))
+
+    def release(self) -> None:
+        for group, rows in self.packed_rows:
+            release_packed_weights(self.weights[group], rows)
+        self.packed_rows.clear()
+
+    def mode(self, group: str, rows: int, max_rows: int):
+        return linear_mode(self.kinds.get((group, rows), "input_major"), max_rows)
+
+    def products_samples(self, jobs, *, rounds: int = 5) -> list[list[float]]:
+        return products_samples([(self.weights[group], rows, self.kind(group, rows)) for group, rows in jobs],
+                                rounds=rounds)  # fmt: skip
+
+
