@@ -31,14 +31,12 @@ from pathlib import Path
 import torch
 
 from modeling_xpress import XPressModel
-from modeling_xpress.bench.assets import DTYPES, GGUF_PACKAGES
+from modeling_xpress.bench.assets import DTYPES
 from modeling_xpress.bench.demo import BUNDLED, bundled_pair
 from modeling_xpress.cards import render_model_card
 from modeling_xpress.draft_cap import acceptance_from_blocks
 from modeling_xpress.bench.reports import card_rows, summarize
 from modeling_xpress.pipeline.records import training_table
-
-SIZE_LIMIT_MB = {"smollm2": 50, "gemma": 60}  # what the repository allows each bundled folder
 
 
 def merge_results(runs: list[dict]) -> dict:
@@ -145,7 +143,7 @@ def main() -> None:
     parser.add_argument("--repo-id", help="name shown in the card (default: xpress/<the --out folder's name>)")
     args = parser.parse_args()
     pair = bundled_pair(args.target)
-    target_repo = GGUF_PACKAGES[pair.target].hub_id
+    target_repo = pair.hub_id
     out = Path(args.out or pair.checkpoint)
 
     model = XPressModel.from_pretrained(args.checkpoint, dtype=DTYPES[args.dtype])
@@ -171,13 +169,13 @@ def main() -> None:
         target_model=target_repo,
         training_summary=training_text(stages, args.target, description, model.config.refiner_token_vocab),
         evaluation_summary=evaluation_summary(results),
-        chat=GGUF_PACKAGES[pair.target].chat,
+        chat=pair.chat,
     )
     card.save(out / "README.md")
     size_mb = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) / 2**20
     print(f"wrote {out} ({size_mb:.1f} MB)")
-    if size_mb > SIZE_LIMIT_MB[args.target]:
-        raise SystemExit(f"{out} is {size_mb:.1f} MB, over the {SIZE_LIMIT_MB[args.target]} MB the repository allows")
+    if size_mb > pair.size_limit_mb:
+        raise SystemExit(f"{out} is {size_mb:.1f} MB, over the {pair.size_limit_mb} MB the repository allows")
 
 
 if __name__ == "__main__":

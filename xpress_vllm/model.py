@@ -189,9 +189,8 @@ class XPressDFlashForCausalLM(DFlashQwen3ForCausalLM):
         if release:
             head.update({k.removeprefix("refiner."): v for k, v in release_head_state(release).items()})
         self.refiner.load_state_dict(head, strict=True)
-        embed = getattr(self.refiner, "token_embed", None)
-        if embed is not None and self.draft_token_ids is not None:  # a draft-vocabulary token table follows the ids
-            embed.set_vocabulary(self.draft_token_ids)
+        if self.draft_token_ids is not None:  # a draft-vocabulary token table follows the ids
+            self.refiner.set_token_vocabulary(self.draft_token_ids)
         super().load_weights(drafter)
 
     # --- readout and drafting ------------------------------------------------------------------------------------

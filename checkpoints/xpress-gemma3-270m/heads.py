@@ -50,6 +50,13 @@ class CorrectionHead(nn.Module):
     def init_fresh(self) -> None:
         pass
 
+    def set_token_vocabulary(self, draft_token_ids: torch.Tensor) -> None:
+        """Point a draft-vocabulary token table (`config.refiner_token_vocab == "draft"`) at the drafter's
+        `draft_token_ids`; nothing for a head without a token table."""
+        embed = getattr(self, "token_embed", None)
+        if embed is not None:
+            embed.set_vocabulary(draft_token_ids)
+
     def path_deltas(self, hidden: torch.Tensor):
         """For draft trees: a function of paths (b, d + 2) of previous tokens `[x_-1, x_0, x_1..x_d]` (target ids;
         x_-1 the token before the anchor, x_0 the anchor) → δ (b, V) of draft position d + 1, the head reading that

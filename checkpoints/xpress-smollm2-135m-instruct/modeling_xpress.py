@@ -23,7 +23,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from .configuration_xpress import XPressConfig
 from .decoding import spec_generate
 from .generation import install_generation_hook
-from .heads import HEADS, CorrectionHead, MarkovHead, NoHead, Readout, XPressRefiner, decode_block
+from .heads import HEADS, CorrectionHead, MarkovHead, NoHead, Readout, TokenEmbedding, XPressRefiner, decode_block
 from .refinement import RefinementResult, scatter_vocabulary
 
 
@@ -420,8 +420,6 @@ class XPressModel(XPressPreTrainedModel):
         row k is the old row of `draft_token_ids[k]`, the shared last row the mean of the rows of every other token.
         Drafts are draft-vocabulary tokens, so the head's function changes only where a block's anchor or the token
         before it lies outside the draft vocabulary; measure the checkpoint again after compacting it."""
-        from .heads import TokenEmbedding
-
         embed = getattr(self.refiner, "token_embed", None)
         if embed is None or self.draft_token_ids is None or self.config.refiner_token_vocab == "draft":
             raise ValueError(
@@ -440,9 +438,8 @@ class XPressModel(XPressPreTrainedModel):
 
     def sync_head_vocabulary(self) -> None:
         """Point a head's draft-vocabulary token table (`config.refiner_token_vocab == "draft"`) at `draft_token_ids`."""
-        embed = getattr(self.refiner, "token_embed", None)
-        if embed is not None and self.draft_token_ids is not None:
-            embed.set_vocabulary(self.draft_token_ids)
+        if self.draft_token_ids is not None:
+            self.refiner.set_token_vocabulary(self.draft_token_ids)
 
     # --- refinement ----------------------------------------------------------------------------------------------
 

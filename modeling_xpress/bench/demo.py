@@ -38,6 +38,8 @@ class BundledPair:
     # prompts the measuring scripts (`choose_draft_length.py`, `compiled_cpu_benchmark.py`) read by default.
     held_out_kinds: str
     settings_kinds: str
+    # The most the repository allows the bundled folder (`examples/bundle_checkpoint.py` refuses more).
+    size_limit_mb: int
 
     @property
     def chat(self) -> bool:
@@ -46,11 +48,18 @@ class BundledPair:
 
         return gguf_package(self.target).chat
 
+    @property
+    def hub_id(self) -> str:
+        """The target's Hub repository, which the bundled folder's config and card name."""
+        from .assets import gguf_package
+
+        return gguf_package(self.target).hub_id
+
 
 BUNDLED = {
-    "smollm2": BundledPair("smollm2-135m-instruct", BUNDLED_CHECKPOINT, tuple(DEMO_PROMPTS), "task", "default"),
+    "smollm2": BundledPair("smollm2-135m-instruct", BUNDLED_CHECKPOINT, tuple(DEMO_PROMPTS), "task", "default", 50),
     "gemma": BundledPair("gemma3-270m", CHECKPOINTS / "xpress-gemma3-270m", tuple(COMPLETION_DEMO_PROMPTS), "completion",
-                         "completion"),
+                         "completion", 60),
 }  # fmt: skip
 """The bundled pairs by the name `--target` / `make demo TARGET=` takes."""
 
