@@ -108,6 +108,7 @@ class XPressCandidateGenerator(CandidateGenerator):
         self.target = target
         # transformers verifies: its forward runs in the policy's layout under `_arm_verification`
         self.policy = decoder_policy("auto", target, xpress, compiled=False)
+        self.policy.prepare_widths("verify", self.draft_rule.cap + 1)
         self._hooks: list = []
         self._start = self.timer.mark()
         self._last_draft_end = None
@@ -176,6 +177,7 @@ class XPressCandidateGenerator(CandidateGenerator):
         target may be shared by `generate` calls in other threads, whose forwards run the same hooks."""
         if self.policy.kind("verify", width) == "input_major":
             return
+        self.policy.prepare("verify", width)  # (its reorders, once: a dictionary lookup once they exist)
         mode = self.policy.mode("verify", width, width)
         owner, entered = threading.get_ident(), []
 

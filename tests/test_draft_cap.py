@@ -114,6 +114,42 @@ def test_packed_products_are_timed_with_packs_and_leave_none(monkeypatch):
     layouts.release_packed_weights()
 
 
+@pytest.mark.skipif(not layouts.onednn_reorder_available(), reason="no oneDNN reordered linear here")
+def test_reordered_products_are_timed_with_reorders_and_leave_none(monkeypatch):
+    """A "onednn" job is timed on its weights' oneDNN reorders (one for every row count), and the reorders it made
+    are dropped afterwards (one a decoder made before stays)."""
+    weights = [torch.randn(64, 16), torch.randn(16, 64)]
+    layouts.release_packed_weights()
+    layouts.pack_weights(weights[:1], layouts.ANY_ROWS)
+    seen = []
+    real = layouts.onednn_linear
+
+    def spy(x, weight):
+        seen.append((weight.data_ptr(), layouts.ANY_ROWS) in layouts._PACKS)
+        return real(x, weight)
+
+    monkeypatch.setattr(layouts, "onednn_linear", spy)
+    seconds = layouts.products_seconds([(weights, 3, "onednn"), (weights, 5, "onednn"), (weights, 2, "input_major")],
+                                       repeats=2)  # fmt: skip
+    assert len(seconds) == 3 and all(t > 0 for t in seconds) and seen and all(seen)
+    assert set(layouts._PACKS) == {(weights[0].data_ptr(), layouts.ANY_ROWS)}
+    layouts.release_packed_weights()
+
+
+def test_a_record_names_the_layouts_its_loop_could_choose():
+    """A machine's record of timed caps is keyed by the kinds of layout the loop's policy chooses from: a record
+    timed by a version that could not reorder the verification is not read by one that can."""
+    from modeling_xpress.draft_cap import _record_key
+    from modeling_xpress.layout_policy import decoder_policy
+
+    target = tiny_llama()
+    xpress = tiny_xpress(target, block_size=8)
+    policy = decoder_policy("auto", target, xpress, compiled=False)
+    key = _record_key(xpress, target, False, policy, [("verify", 4)])
+    assert key["layout_kinds"] == ["input_major", "weight_major", "packed", "onednn"]
+    assert key["linear_layout"] == "auto"
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_auto_cap_keeps_greedy_output(compile):
     """spec_generate(num_assistant_tokens="auto") times the products on this machine, picks a cap among the measured

@@ -3,7 +3,8 @@
 weight-major where that pays, as the compiled graphs do. The tests pin: the greedy output is the target's either way;
 the layout really changes (torch.mm with a weight as left operand); in `generate` only the verification forwards are
 changed, and no hook outlives the call. Their drafter runs in the compiled drafter graph's layout: MKL-packed weights
-where those pay, with the same outputs."""
+where those pay, with the same outputs; their verification uses oneDNN-reordered weights (one reorder for every
+width) where those pay, with the same outputs."""
 
 import pytest
 import torch
@@ -57,6 +58,7 @@ def test_generate_verifies_in_the_layout_that_pays_and_leaves_no_hook(pays, weig
     target, xpress = pair()
     weights.update({id(w): w for w in linear_weights(target)})
     monkeypatch.setattr(layouts, "weight_major_pays", lambda weights, rows, repeats=5: pays)
+    monkeypatch.setattr(layouts, "onednn_pays", lambda weights, rows, repeats=3: False)
     reference = target.generate(IDS, max_new_tokens=30, do_sample=False)
     assert seen == []  # plain generate: never
     out = target.generate(IDS, max_new_tokens=30, do_sample=False, assistant_model=xpress)
@@ -75,6 +77,7 @@ def test_a_failed_verification_leaves_no_mode_behind(weight_products, monkeypatc
     target, xpress = pair()
     weights.update({id(w): w for w in linear_weights(target)})
     monkeypatch.setattr(layouts, "weight_major_pays", lambda weights, rows, repeats=5: True)
+    monkeypatch.setattr(layouts, "onednn_pays", lambda weights, rows, repeats=3: False)
     calls = {"n": 0}
     forward = target.model.forward
 
@@ -101,6 +104,7 @@ def test_a_forward_that_is_not_the_verification_only_disarms(weight_products, mo
     target, xpress = pair()
     weights.update({id(w): w for w in linear_weights(target)})
     monkeypatch.setattr(layouts, "weight_major_pays", lambda weights, rows, repeats=5: True)
+    monkeypatch.setattr(layouts, "onednn_pays", lambda weights, rows, repeats=3: False)
     from modeling_xpress.generation import XPressCandidateGenerator
     from modeling_xpress.layout_policy import decoder_policy
 
@@ -134,10 +138,12 @@ def test_drafter_layout_follows_the_compiled_drafter_rule(monkeypatch):
 
     monkeypatch.setattr(layouts, "packed_pays", packed_pays)
     monkeypatch.setattr(layouts, "weight_major_pays", lambda weights, rows, repeats=5: True)
+    monkeypatch.setattr(layouts, "onednn_pays", lambda weights, rows, repeats=3: rows > 3)
     policy = decoder_policy("auto", target, xpress, compiled=False)
     assert (policy.kind("drafter", 8), policy.kind("drafter", 8)) == ("packed", "packed") and asked == [8]
     assert policy.kind("head", 3) == "input_major"
-    assert policy.kind("verify", 4) == "weight_major"  # the eager verification never packs
+    # the eager verification never takes an MKL pack (one row count each): oneDNN reorders where they pay
+    assert (policy.kind("verify", 3), policy.kind("verify", 4)) == ("weight_major", "onednn")
     monkeypatch.setattr(layouts, "packed_pays", lambda weights, rows, repeats=3: False)
     assert drafter_kind() == "weight_major"
     assert drafter_kind("input_major") == "input_major"
@@ -182,6 +188,99 @@ def test_eager_loops_draft_with_packed_weights_exactly(packed_products):
     packed_products.clear()
     assert torch.equal(target.generate(IDS, max_new_tokens=30, do_sample=False, assistant_model=xpress), reference)
     assert packed_drafter_rows(packed_products, xpress) == {8}
+    sampled = {}
+    for layout in ("auto", "input_major"):
+        generator = torch.Generator().manual_seed(3)
+        sampled[layout] = xpress.spec_generate(target, IDS, max_new_tokens=30, temperature=1.0, stop_token_ids=[],
+                                               generator=generator, linear_layout=layout).sequences  # fmt: skip
+    assert torch.equal(sampled["auto"], sampled["input_major"])
+
+
+needs_onednn = pytest.mark.skipif(not layouts.onednn_reorder_available(), reason="no oneDNN reordered linear here")
+
+
+@needs_onednn
+def test_one_reorder_computes_every_row_count_and_follows_its_weight():
+    """`OnednnLinear` is `F.linear` (rows 1-17, a batch dimension, a bias) with one reorder per weight for every row
+    count; a weight changed in place is reordered again at its next product; a freed weight takes its reorder along."""
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 40, generator=generator), torch.randn(96, generator=generator)
+    layouts.release_packed_weights()
+    assert layouts.pack_weights([weight], layouts.ANY_ROWS) == [weight]
+    for rows in range(1, 18):
+        x = torch.randn(1, rows, 40, generator=generator)
+        with layouts.OnednnLinear(rows):
+            out = torch.nn.functional.linear(x, weight, bias)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
+    assert set(layouts._PACKS) == {(weight.data_ptr(), layouts.ANY_ROWS)}
+    with torch.no_grad():
+        weight.mul_(-2)
+    x = torch.randn(3, 40, generator=generator)
+    with layouts.OnednnLinear(3):
+        torch.testing.assert_close(torch.nn.functional.linear(x, weight), torch.nn.functional.linear(x, weight))
+    other = torch.randn(96, 40, generator=generator)  # never reordered: F.linear
+    with layouts.OnednnLinear(3):
+        torch.testing.assert_close(torch.nn.functional.linear(x, other), x @ other.T)
+    del weight
+    assert layouts._PACKS == {}
+
+
+def test_reorders_pay_only_where_they_can_run(monkeypatch):
+    """`onednn_pays` never says yes for weights that are not float32 on a CPU, or where oneDNN cannot reorder."""
+    weights = [torch.randn(64, 16)]
+    assert not layouts.onednn_pays([w.to(torch.bfloat16) for w in weights], 4)
+    monkeypatch.setattr(layouts, "_ONEDNN_WORKS", [False])
+    assert not layouts.onednn_pays(weights, 4)
+    assert layouts.reordered_layout_kind("packed", weights, 4) == "input_major"
+
+
+@pytest.fixture
+def reordered_products(monkeypatch):
+    """Every product `OnednnLinear` computes, as (weight, rows); "auto" made to reorder the verification past one
+    row (the timing that decides it is `products_seconds`, tested in test_draft_cap)."""
+    if not layouts.onednn_reorder_available():
+        pytest.skip("no oneDNN reordered linear here")
+    seen, product = [], layouts.OnednnLinear.product
+
+    def counting(self, x, weight):  # whether the weight had its reorder when its product ran
+        seen.append((weight, x.shape[0], (weight.data_ptr(), layouts.ANY_ROWS) in layouts._PACKS))
+        return product(self, x, weight)
+
+    monkeypatch.setattr(layouts.OnednnLinear, "product", counting)
+    monkeypatch.setattr(layouts, "onednn_pays", lambda weights, rows, repeats=3: rows > 1)
+    layouts.release_packed_weights()
+    yield seen
+    layouts.release_packed_weights()
+
+
+def reordered_target_rows(seen, target) -> set[int]:
+    """The row counts of the products over the target's weights, each of which ran on its weight's oneDNN reorder."""
+    own = {id(w) for w in linear_weights(target)}
+    products = [(rows, reordered) for weight, rows, reordered in seen if id(weight) in own]
+    assert all(reordered for _, reordered in products)
+    return {rows for rows, _ in products}
+
+
+def test_eager_loops_verify_with_reordered_weights_exactly(reordered_products):
+    """With the verification reordered, `spec_generate(compile=False)` and `generate(assistant_model=)` return the
+    target's greedy output, sampling draws what the input-major loop draws, and every verification width (not the
+    prefill, not a plain forward afterwards) ran on the reorders, one per weight."""
+    target, xpress = pair()
+    reference = target.generate(IDS, max_new_tokens=30, do_sample=False)
+    assert reordered_products == []
+    assert torch.equal(target.generate(IDS, max_new_tokens=30, do_sample=False, assistant_model=xpress), reference)
+    widths = {n + 1 for n in xpress.generation_stats.draft_lengths} - {1}
+    assert widths and reordered_target_rows(reordered_products, target) == widths
+    reordered_products.clear()
+    layouts.release_packed_weights()  # the eager loop makes its own
+    out = xpress.spec_generate(target, IDS, max_new_tokens=30, stop_token_ids=[])
+    assert torch.equal(out.sequences, reference)
+    widths = {n + 1 for n in out.stats.draft_lengths} - {1}
+    assert widths and reordered_target_rows(reordered_products, target) == widths
+    assert {rows for _, rows in layouts._PACKS} <= {layouts.ANY_ROWS, 8}  # the verification's reorders, drafter packs
+    reordered_products.clear()
+    target(input_ids=IDS)
+    assert reordered_products == []
     sampled = {}
     for layout in ("auto", "input_major"):
         generator = torch.Generator().manual_seed(3)

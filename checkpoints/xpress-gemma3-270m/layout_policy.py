@@ -11,17 +11,18 @@ import torch
 from .policy import LinearPolicy, check_linear_layout, linear_weights
 
 
-def linear_policy(linear_layout: str, weights: dict[str, list[torch.Tensor]], *, packable=(), tuned=None,
-                  device: torch.device | None = None) -> LinearPolicy:  # fmt: skip
+def linear_policy(linear_layout: str, weights: dict[str, list[torch.Tensor]], *, packable=(), reorderable=(),
+                  tuned=None, device: torch.device | None = None) -> LinearPolicy:  # fmt: skip
     """The policy for these weight groups on their device: `cpu_layouts.CpuLinearPolicy` on a CPU (or wherever a
-    layout other than input-major is forced), which tunes the groups in `tuned` (default: all) and may pack those in
-    `packable`; `LinearPolicy` (input-major) on a GPU with "auto" or "input_major"."""
+    layout other than input-major is forced), which tunes the groups in `tuned` (default: all), may pack those in
+    `packable` (MKL, per row count) and reorder those in `reorderable` (oneDNN, for every row count); `LinearPolicy`
+    (input-major) on a GPU with "auto" or "input_major"."""
     check_linear_layout(linear_layout)
     device = device or next(iter(weights.values()))[0].device
     if device.type == "cpu" or linear_layout in ("weight_major", "packed"):
         from .cpu_layouts import CpuLinearPolicy  # hardware tuning: never imported on a GPU running "auto"
 
-        return CpuLinearPolicy(linear_layout, weights, packable=packable, tuned=tuned)
+        return CpuLinearPolicy(linear_layout, weights, packable=packable, reorderable=reorderable, tuned=tuned)
     return LinearPolicy(linear_layout, weights)
 
 
@@ -29,8 +30,8 @@ def decoder_policy(linear_layout: str, target, xpress, *, compiled: bool, readou
     """The policy of a decode loop over these models, for three groups of products: "verify" (the target's weights),
     "drafter" (the drafter's) and "head" (the draft readout's one matrix: the draft vocabulary's lm_head rows,
     `readout`, or the whole lm_head). The compiled graphs tune every group and may pack any; the eager loops tune the
-    verification (weight-major at most: its width changes every step, and a pack serves one row count) and the
-    drafter (B rows every block: packs pay), and read out input-major."""
+    verification (its width changes every step and an MKL pack serves one row count: oneDNN-reordered weights, which
+    serve every count, or weight-major) and the drafter (B rows every block: packs pay), and read out input-major."""
     lm_head = target.get_output_embeddings()
     readout = xpress.draft_readout(lm_head) if readout is None else readout
     weights = {"verify": linear_weights(target), "drafter": linear_weights(xpress),
@@ -41,7 +42,8 @@ def decoder_policy(linear_layout: str, target, xpress, *, compiled: bool, readou
 
             check_packed_layout(weights["verify"])
         return linear_policy(linear_layout, weights, packable=weights)
-    return linear_policy(linear_layout, weights, packable=("drafter",), tuned=("verify", "drafter"))
+    return linear_policy(linear_layout, weights, packable=("drafter",), reorderable=("verify",),
+                         tuned=("verify", "drafter"))  # fmt: skip
 
 
 __all__ = ["decoder_policy", "linear_policy"]

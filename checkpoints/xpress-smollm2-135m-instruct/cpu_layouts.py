@@ -6,9 +6,12 @@ AMD EPYC (MKL, fp32) the SmolLM2 lm_head (49,152 × 576) took 6.8 ms for 1 row, 
 3-token verification cost two plain decoding steps. The same product computed weight-major, (W·xᵀ)ᵀ, is one streaming
 pass over W: 3.1 ms for 3 rows. And MKL can prepack a weight for its GEMM kernels once (`cblas_sgemm_pack`), after
 which a few rows cost about one: on a 2-core Intel Xeon (Ice Lake, AVX-512) all of SmolLM2's products over 4 / 8 / 16
-rows took 53 / 65 / 111 ms input-major and 30 / 31 / 41 ms packed. Which layout is fastest depends on the CPU and its
-BLAS, so "auto" times them on the models' own weights (`weight_major_pays`, `packed_pays`), once per weight shapes,
-row count and thread count in a process.
+rows took 53 / 65 / 111 ms input-major and 30 / 31 / 41 ms packed. An MKL pack serves one row count; oneDNN can
+reorder a weight once into a blocked layout that serves every row count (`OnednnLinear`), which the eager
+verification, whose width changes every step, can use: on a 2-core Intel Xeon with AMX, Gemma-3's 262,144 × 640
+lm_head took 60 / 92 ms over 4 / 8 rows input-major and 30 / 35 ms reordered. Which layout is fastest depends on the
+CPU and its BLAS, so "auto" times them on the models' own weights (`weight_major_pays`, `packed_pays`,
+`onednn_pays`), once per weight shapes, row count and thread count in a process.
 
 Everything here is reached through a `CpuLinearPolicy` that a decoder owns: the layouts it decided, for its own
 weight groups. What is kept across decoders pins no model: timings by weight shapes, and packs that die with their
@@ -124,10 +127,11 @@ def weight_major_layout(linear_layout: str, weights, rows: int) -> bool:
 # input, so no weight is folded into a graph: a weight changed in place is repacked at its next use (its version
 # counter moved), and a (weight, rows) that was never packed goes through `F.linear`.
 
-# (data_ptr, rows) -> (shape, stride, version, pack). The entry holds no reference to its weight: a finalizer drops it
-# when the weight is freed, so a deleted model takes its packs with it (and a new tensor at the same address never
-# finds a stale pack).
+# (data_ptr, rows) -> (shape, stride, version, pack); rows `ANY_ROWS` for a oneDNN reorder, which serves every row
+# count. The entry holds no reference to its weight: a finalizer drops it when the weight is freed, so a deleted model
+# takes its packs with it (and a new tensor at the same address never finds a stale pack).
 _PACKS: dict[tuple[int, int], tuple[torch.Size, tuple, int, torch.Tensor]] = {}
+ANY_ROWS = 0
 _PACKING_WORKS: list[bool] = []
 
 
@@ -162,6 +166,8 @@ def _version(weight: torch.Tensor) -> int:
 
 
 def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    if rows == ANY_ROWS:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT)
     return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
 
 
@@ -173,8 +179,9 @@ def _keep_pack(weight: torch.Tensor, rows: int, new: bool) -> None:
 
 
 def pack_weights(weights, rows: int) -> list[torch.Tensor]:
-    """Prepack the fp32 CPU weights among `weights` for products over `rows` input rows (once each; again if one
-    changed in place since). Returns the weights that had no pack for `rows` before."""
+    """Prepack the fp32 CPU weights among `weights` for products over `rows` input rows (MKL), or reorder them for
+    any row count (oneDNN, `rows=ANY_ROWS`); once each, again if one changed in place since. Returns the weights that
+    had no pack for `rows` before."""
     new = []
     for weight in weights:
         if _packable(weight):
@@ -187,7 +194,8 @@ def pack_weights(weights, rows: int) -> list[torch.Tensor]:
 
 
 def release_packed_weights(weights=None, rows: int | None = None) -> None:
-    """Drop the packs of `weights` for `rows` rows, or every kept pack (`release_compiled_decoders` does this)."""
+    """Drop the packs of `weights` for `rows` rows (`ANY_ROWS`: their oneDNN reorders), or every kept pack
+    (`release_compiled_decoders` does this)."""
     if weights is None:
         _PACKS.clear()
         return
@@ -231,24 +239,98 @@ class PackedLinear(_FewRowLinear):
         return packed_linear(x, weight)
 
 
-_PACKED_TIMINGS: dict[tuple, tuple[float, float, float]] = {}
+# --- oneDNN-reordered weights (CPU, fp32) ---------------------------------------------------------------------------
+# oneDNN, torch's other CPU GEMM library, can reorder a weight once into its kernels' blocked layout
+# (`torch.ops.mkldnn._reorder_linear_weight`, as inductor's freezing does for its oneDNN linears) and multiply any
+# number of input rows by it (`torch.ops.mkldnn._linear_pointwise`). Unlike an MKL pack, one reorder serves every row
+# count at about the speed of a pack made for it, for +1x the weight's memory: so the eager verification, whose width
+# changes every step, can use it. Measured on the 2-core Intel Xeon with AMX of this project (fp32, 2 threads), Gemma-3's
+# lm_head (262,144 x 640) over 1 / 2 / 4 / 8 / 16 rows: 28 / 31 / 60 / 92 / 57 ms input-major, 27 / 29 / 30 / 35 / 43 ms
+# reordered (an MKL pack made for 4 rows: 25 / 28 / 31 / 37 / 74 ms, and 1.8x the weight's memory); Gemma-3's 126
+# other linears over the same rows: 18 / 20 / 30 / 37 / 48 ms input-major, 24 / 25 / 28 / 31 / 36 ms reordered. A group
+# is reordered as a whole, where the sum of its products pays (`onednn_pays`): Gemma-3's verification from 4 rows.
+ONEDNN_ROWS_HINT = 8  # the row count oneDNN is told to expect when it reorders (any row count runs)
+_ONEDNN_WORKS: list[bool] = []
+
+
+def onednn_reorder_available() -> bool:
+    """Whether this torch build has oneDNN's reordered linear and it computes `F.linear` here (checked once per process
+    on a small weight)."""
+    if not _ONEDNN_WORKS:
+        ops = torch.ops.mkldnn
+        works = bool(torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
+                     and hasattr(ops, "_reorder_linear_weight"))  # fmt: skip
+        if works:
+            try:
+                generator = torch.Generator().manual_seed(0)
+                weight = torch.randn(72, 40, generator=generator)
+                pack = _pack(weight, ANY_ROWS)
+                for rows in (1, 3, 16):
+                    x = torch.randn(rows, 40, generator=generator)
+                    out = ops._linear_pointwise(x, pack, None, "none", [], "")
+                    works &= torch.allclose(out, F.linear(x, weight), rtol=1e-4, atol=1e-5)
+            except RuntimeError:  # a build whose oneDNN ops exist but do not run here
+                works = False
+        _ONEDNN_WORKS.append(works)
+    return _ONEDNN_WORKS[0]
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (rows, in) · Wᵀ with W's oneDNN reorder (`pack_weights(..., ANY_ROWS)`); `F.linear` where there is none."""
+    key = (weight.data_ptr(), ANY_ROWS)
+    kept = _PACKS.get(key)
+    if kept is None or kept[0] != weight.shape or kept[1] != weight.stride():
+        return F.linear(x, weight)
+    if kept[2] != _version(weight):  # changed in place since it was reordered
+        _keep_pack(weight, ANY_ROWS, new=False)
+        kept = _PACKS[key]
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), kept[3], None, "none", [], "")
+
+
+class OnednnLinear(_FewRowLinear):
+    """`F.linear` over a few rows of x with an fp32 CPU weight computed with W's oneDNN reorder (`onednn_linear`; a
+    weight without one goes through `F.linear`)."""
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return _packable(weight) and x.dtype == weight.dtype
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, weight)
+
+
+_PREPACKED_TIMINGS: dict[tuple, tuple[float, float, float]] = {}
 
 
 @torch.no_grad()
+def _prepacked_pays(kind: str, weights, rows: int, repeats: int) -> bool:
+    """Whether `F.linear` over `rows` rows of these weights is faster with prepacked weights (`kind`: "packed", MKL
+    packs for that many rows, or "onednn", oneDNN reorders) than both other layouts, and than input-major by
+    `WEIGHT_MAJOR_MARGIN`. Timed as a forward streams them (`products_seconds`: every weight once, packed, the packs
+    made for the timing dropped after): one weight timed over and over stays in cache, and on the Intel Xeon that
+    ranked the layouts differently from the forward. Each (kind, weight shapes, rows, threads) is timed once per
+    process."""
+    key = (kind, tuple((tuple(weight.shape), weight.dtype) for weight in weights), rows, torch.get_num_threads())
+    if key not in _PREPACKED_TIMINGS:
+        jobs = [(weights, rows, layout) for layout in (kind, "input_major", "weight_major")]
+        _PREPACKED_TIMINGS[key] = tuple(products_seconds(jobs, repeats=repeats))
+    packed, input_major, weight_major = _PREPACKED_TIMINGS[key]
+    return packed < WEIGHT_MAJOR_MARGIN * input_major and packed < weight_major
+
+
 def packed_pays(weights, rows: int, repeats: int = 3) -> bool:
-    """Whether `F.linear` over `rows` rows of these weights is faster with MKL-packed weights than both other layouts,
-    and than input-major by `WEIGHT_MAJOR_MARGIN`. Timed as a forward streams them (`products_seconds`:
-    every weight once, packed for `rows`, the packs dropped after): one weight timed over and over stays in cache,
-    and on the Intel Xeon that ranked the layouts differently from the forward. Each (weight shapes, rows, threads)
-    is timed once per process. False where packing is unavailable or a weight is not fp32 on a CPU."""
+    """Whether MKL packs for `rows` rows pay for these weights (`_prepacked_pays`). False where packing is unavailable
+    or a weight is not fp32 on a CPU."""
     if not mkl_packing_available() or not all(_packable(weight) for weight in weights):
         return False
-    key = (tuple((tuple(weight.shape), weight.dtype) for weight in weights), rows, torch.get_num_threads())
-    if key not in _PACKED_TIMINGS:
-        jobs = [(weights, rows, kind) for kind in ("packed", "input_major", "weight_major")]
-        _PACKED_TIMINGS[key] = tuple(products_seconds(jobs, repeats=repeats))
-    packed, input_major, weight_major = _PACKED_TIMINGS[key]
-    return packed < WEIGHT_MAJOR_MARGIN * input_major and packed < weight_major
+    return _prepacked_pays("packed", weights, rows, repeats)
+
+
+def onednn_pays(weights, rows: int, repeats: int = 3) -> bool:
+    """Whether oneDNN reorders pay for these weights over `rows` rows (`_prepacked_pays`). False where oneDNN's
+    reordered linear is unavailable or a weight is not fp32 on a CPU."""
+    if not onednn_reorder_available() or not all(_packable(weight) for weight in weights):
+        return False
+    return _prepacked_pays("onednn", weights, rows, repeats)
 
 
 def linear_layout_kind(linear_layout: str, weights, rows: int) -> str:
@@ -262,10 +344,24 @@ def linear_layout_kind(linear_layout: str, weights, rows: int) -> str:
     return "weight_major" if weight_major_layout(linear_layout, weights, rows) else "input_major"
 
 
+def reordered_layout_kind(linear_layout: str, weights, rows: int) -> str:
+    """The layout of a group whose width changes call to call (the eager verification): oneDNN-reordered weights
+    ("onednn") where "packed" is asked (for weights that are all float32 on a CPU, with oneDNN's reordered linear) or,
+    with "auto", where `onednn_pays`; else "weight_major" where `weight_major_layout` says so; else "input_major"."""
+    if linear_layout == "packed":
+        usable = onednn_reorder_available() and all(_packable(weight) for weight in weights)
+        return "onednn" if usable else "input_major"
+    if linear_layout == "auto" and weights[0].device.type != "cuda" and onednn_pays(weights, rows):
+        return "onednn"
+    return "weight_major" if weight_major_layout(linear_layout, weights, rows) else "input_major"
+
+
 def linear_mode(kind: str, max_rows: int):
     """The context that computes `F.linear` over at most `max_rows` rows in layout `kind`."""
     if kind == "packed":
         return PackedLinear(max_rows)
+    if kind == "onednn":
+        return OnednnLinear(max_rows)
     if kind == "weight_major":
         return WeightMajorLinear(max_rows)
     return contextlib.nullcontext()
@@ -290,20 +386,23 @@ def check_packed_layout(weights) -> None:
 def products_samples(jobs: Sequence[tuple[Sequence[torch.Tensor], int, str]], *, rounds: int = 5) -> list[list[float]]:
     """Seconds of each job (weights, rows, layout) in each of `rounds` rounds: one pass of `rows` input rows through
     every weight in turn, as a forward multiplies them (each weight once, so they stream from memory), in that layout:
-    `F.linear(x, W)`, `(W @ x.T).T` ("weight_major") or W's MKL pack for that many rows ("packed"). The unpacked jobs
-    are timed in turn, round by round (`policy.time_rounds`), so a drift in the machine's speed hits them alike; each
-    packed job is timed alone, its rounds between packing its weights and dropping the packs it made, so at most one
-    extra copy of the weights is held."""
-    product = {"input_major": F.linear, "weight_major": lambda x, w: torch.mm(w, x.t()), "packed": packed_linear}
+    `F.linear(x, W)`, `(W @ x.T).T` ("weight_major"), W's MKL pack for that many rows ("packed") or W's oneDNN reorder
+    ("onednn"). The unpacked jobs are timed in turn, round by round (`policy.time_rounds`), so a drift in the machine's
+    speed hits them alike; each packed job is timed alone, its rounds between packing its weights and dropping the
+    packs it made, so at most one extra copy of the weights is held."""
+    product = {"input_major": F.linear, "weight_major": lambda x, w: torch.mm(w, x.t()), "packed": packed_linear,
+               "onednn": onednn_linear}  # fmt: skip
     sweeps = product_sweeps([(weights, rows, product[kind]) for weights, rows, kind in jobs])
     device = jobs[0][0][0].device
-    in_turn = [i for i, job in enumerate(jobs) if job[2] != "packed"]
+    prepacked = ("packed", "onednn")
+    in_turn = [i for i, job in enumerate(jobs) if job[2] not in prepacked]
     samples = dict(zip(in_turn, time_rounds([sweeps[i] for i in in_turn], device, rounds)))
     for i, (weights, rows, kind) in enumerate(jobs):
-        if kind == "packed":
-            new = pack_weights(weights, rows)
+        if kind in prepacked:
+            pack_rows = rows if kind == "packed" else ANY_ROWS
+            new = pack_weights(weights, pack_rows)
             samples[i] = time_rounds([sweeps[i]], device, rounds)[0]
-            release_packed_weights(new, rows)
+            release_packed_weights(new, pack_rows)
     return [samples[i] for i in range(len(jobs))]
 
 
@@ -313,15 +412,19 @@ def products_seconds(jobs: Sequence[tuple[Sequence[torch.Tensor], int, str]], *,
 
 
 class CpuLinearPolicy(LinearPolicy):
-    """`LinearPolicy` on a CPU. A group in `tuned` (default: every group) runs where its timing says: packed (for a
-    group in `packable`, float32 weights), else weight-major, else input-major (`linear_layout_kind`, or
-    `weight_major_layout` for a group that may not pack); a group not in `tuned` runs input-major. `linear_layout`
-    other than "auto" forces a layout. Packs are made by `prepare`, for the row counts a decoder runs, and again if
-    they were released or a weight changed in place."""
+    """`LinearPolicy` on a CPU. A group in `tuned` (default: every group) runs where its timing says: MKL-packed (for
+    a group in `packable`, float32 weights) or oneDNN-reordered (for a group in `reorderable`), else weight-major, else
+    input-major (`linear_layout_kind`, `reordered_layout_kind`, or `weight_major_layout` for a group that may do
+    neither); a group not in `tuned` runs input-major. `linear_layout` other than "auto" forces a layout ("packed": the
+    group's prepacked kind). Packs are made by `prepare`, for the row counts a decoder runs (a reorder once, for all),
+    and again if they were released or a weight changed in place."""
 
-    def __init__(self, linear_layout: str, weights: dict, *, packable=(), tuned=None):
+    KINDS = ("input_major", "weight_major", "packed", "onednn")
+
+    def __init__(self, linear_layout: str, weights: dict, *, packable=(), reorderable=(), tuned=None):
         super().__init__(linear_layout, weights)
         self.packable = frozenset(packable)
+        self.reorderable = frozenset(reorderable)
         self.tuned = frozenset(weights if tuned is None else tuned)
         self.packed_rows: set[tuple[str, int]] = set()  # (group, rows) this policy made packs for
 
@@ -331,13 +434,19 @@ class CpuLinearPolicy(LinearPolicy):
             return "input_major"
         if group in self.packable:
             return linear_layout_kind(self.linear_layout, weights, rows)
+        if group in self.reorderable:
+            return reordered_layout_kind(self.linear_layout, weights, rows)
         return "weight_major" if weight_major_layout(self.linear_layout, weights, rows) else "input_major"
 
     def prepare(self, group: str, rows: int, *more_rows: int) -> None:
-        if self.kind(group, rows) == "packed":
+        kind = self.kind(group, rows)
+        if kind == "packed":
             for count in (rows, *more_rows):
                 pack_weights(self.weights[group], count)
                 self.packed_rows.add((group, count))
+        elif kind == "onednn":
+            pack_weights(self.weights[group], ANY_ROWS)
+            self.packed_rows.add((group, ANY_ROWS))
 
     def release(self) -> None:
         for group, rows in self.packed_rows:

@@ -188,6 +188,7 @@ class EagerSteps:
                  tree_nodes: int | None = None):  # fmt: skip
         self.xpress, self.target, self.processors, self.policy = xpress, target, processors, policy
         self.do_sample, self.cap, self.tree_nodes = do_sample, draft_rule.cap, tree_nodes
+        policy.prepare_widths("verify", (tree_nodes or self.cap) + 1)
         self.layer_ids = list(xpress.config.target_layer_ids)
         self.hidden_request = [i + 1 for i in self.layer_ids]
         self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -346,8 +347,8 @@ def spec_generate(
     if linear_layout == "packed" and not compile:
         raise ValueError(
             "linear_layout='packed' (weights prepacked for MKL) is a layout of the compiled graphs: pass compile=True, "
-            "or use 'auto' (it packs the eager drafter's weights where that is fastest), 'input_major' or "
-            "'weight_major' with the eager loop."
+            "or use 'auto' (it prepacks the eager drafter's and verification's weights where that is fastest), "
+            "'input_major' or 'weight_major' with the eager loop."
         )
     check_decoding_arguments(max_new_tokens, temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size)
     if tree_nodes == "auto":  # the tree budget that pays on this machine, or linear blocks where none does

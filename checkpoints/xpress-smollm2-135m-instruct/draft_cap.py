@@ -133,12 +133,13 @@ def candidate_caps(acceptance: Sequence[float], most: int) -> list[int]:
     return caps or [1]
 
 
-def _record_key(xpress, target, compiled: bool, linear_layout: str, jobs) -> dict:
-    """What the timings of `jobs` depend on: this machine, the models' shapes and dtypes, the loop's layouts."""
+def _record_key(xpress, target, compiled: bool, policy, jobs) -> dict:
+    """What the timings of `jobs` depend on: this machine, the models' shapes and dtypes, the loop's layouts (asked,
+    and the kinds its policy can choose from)."""
     config = xpress.config
     return {"machine": machine(target.device), "models": models_digest(target, xpress), "compiled": compiled,
-            "linear_layout": linear_layout, "head": [config.refiner, config.jacobi_max_iters],
-            "jobs": [list(job) for job in jobs]}  # fmt: skip
+            "linear_layout": policy.linear_layout, "layout_kinds": list(policy.KINDS),
+            "head": [config.refiner, config.jacobi_max_iters], "jobs": [list(job) for job in jobs]}  # fmt: skip
 
 
 def _kept_choices(xpress) -> dict:
@@ -197,7 +198,7 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
         return compare([[e / sum(parts) for parts in zip(drafter, samples[2 * i + 1], samples[2 * i + 2])]
                         for i, e in enumerate(expected)])  # fmt: skip
 
-    timed = timed_choice("draft-cap", _record_key(xpress, target, compiled, linear_layout, jobs),
+    timed = timed_choice("draft-cap", _record_key(xpress, target, compiled, policy, jobs),
                          lambda rounds: policy.products_samples(jobs, rounds=rounds), decide,
                          remeasure=remeasure)  # fmt: skip
     seconds = timed.medians
@@ -311,7 +312,7 @@ def choose_draft_shape(xpress, target, *, compiled: bool = True, linear_layout: 
         return compare([[t / s for s in step] for t, step in zip(tokens, step_seconds(samples))])
 
     all_jobs = jobs + [("build", b) for b in budgets]
-    timed = timed_choice("draft-shape", _record_key(xpress, target, compiled, linear_layout, all_jobs), measure,
+    timed = timed_choice("draft-shape", _record_key(xpress, target, compiled, policy, all_jobs), measure,
                          decide, remeasure=remeasure)  # fmt: skip
     seconds = [statistics.median(step) for step in step_seconds(timed.samples)]
     chosen = timed.comparison.chosen

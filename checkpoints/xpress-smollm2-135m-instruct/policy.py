@@ -24,8 +24,9 @@ from .stats import WallClock
 
 # How `F.linear` over a few rows is computed (`spec_generate(..., linear_layout=...)`): "auto" times the layouts on the
 # models' own weights once per row count and leaves input-major only where another is clearly faster (on a GPU:
-# never); "input_major" is `F.linear` as it is; "weight_major" computes (W @ x.T).T; "packed" multiplies by weights
-# prepacked for MKL (CPU, float32, compiled graphs).
+# never); "input_major" is `F.linear` as it is; "weight_major" computes (W @ x.T).T; "packed" multiplies by prepacked
+# weights (CPU, float32): MKL packs in the compiled graphs and the eager drafter, oneDNN reorders in the eager
+# verification.
 LINEAR_LAYOUTS = ("auto", "input_major", "weight_major", "packed")
 
 
@@ -35,7 +36,7 @@ def check_linear_layout(linear_layout) -> None:
             f"linear_layout must be one of {', '.join(map(repr, LINEAR_LAYOUTS))}, got {linear_layout!r}: 'auto' "
             "times the layouts on the models' weights and leaves input-major where no other is clearly faster, "
             "'input_major' is F.linear as is, 'weight_major' computes it as (W @ x.T).T, 'packed' multiplies by "
-            "weights prepacked for MKL (compile=True, float32 on a CPU)."
+            "prepacked weights (float32 on a CPU)."
         )
 
 
@@ -101,6 +102,8 @@ class LinearPolicy:
     it (and, on a CPU, makes the packs it needs) before a graph first runs; `mode` is the context to run the group's
     products in (entered inside a compiled function, it is traced into the graph)."""
 
+    KINDS = ("input_major",)  # the layouts this policy may decide
+
     def __init__(self, linear_layout: str, weights: dict[str, list[torch.Tensor]]):
         check_linear_layout(linear_layout)
         self.linear_layout = linear_layout
@@ -111,7 +114,8 @@ class LinearPolicy:
         return "input_major"
 
     def kind(self, group: str, rows: int) -> str:
-        """The layout of `group`'s products over `rows` rows: "input_major", "weight_major" or "packed"."""
+        """The layout of `group`'s products over `rows` rows, one of `KINDS`: "input_major", "weight_major", "packed"
+        (MKL packs for that many rows) or "onednn" (oneDNN-reordered weights)."""
         if (group, rows) not in self.kinds:
             self.kinds[group, rows] = self.decide(group, rows)
         return self.kinds[group, rows]
@@ -120,6 +124,13 @@ class LinearPolicy:
         """Decide the layout of (`group`, `rows`) before its products first run (and whatever it needs for them,
         also for `more_rows` row counts of the same products)."""
         self.kind(group, rows)
+
+    def prepare_widths(self, group: str, most: int) -> None:
+        """`prepare` `group` for every row count 2..`most`: an eager loop's verification widths, decided when the loop
+        is made rather than mid-generation (its last blocks verify fewer drafts, and each first width costs a timing on
+        a CPU), and its packs made once."""
+        for rows in range(2, most + 1):
+            self.prepare(group, rows)
 
     def release(self) -> None:
         """Drop what `prepare` made (packs); made again by the next `prepare`."""
