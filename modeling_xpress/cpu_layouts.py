@@ -203,16 +203,25 @@ def release_packed_weights(weights=None, rows: int | None = None) -> None:
         _PACKS.pop((weight.data_ptr(), rows), None)
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (rows, in) · Wᵀ with W's pack for that many rows; `F.linear` where there is none."""
-    key = (weight.data_ptr(), x.shape[0])
+def _current_pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """W's kept pack for `rows` rows (`ANY_ROWS`: its oneDNN reorder), packed again if W changed in place since; None
+    where there is none for this weight as it is now (shape, strides)."""
+    key = (weight.data_ptr(), rows)
     kept = _PACKS.get(key)
     if kept is None or kept[0] != weight.shape or kept[1] != weight.stride():
-        return F.linear(x, weight)
+        return None
     if kept[2] != _version(weight):  # changed in place since it was packed
-        _keep_pack(weight, x.shape[0], new=False)
+        _keep_pack(weight, rows, new=False)
         kept = _PACKS[key]
-    return torch.ops.mkl._mkl_linear(x.contiguous(), kept[3], weight, None, x.shape[0])
+    return kept[3]
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (rows, in) · Wᵀ with W's pack for that many rows; `F.linear` where there is none."""
+    pack = _current_pack(weight, x.shape[0])
+    if pack is None:
+        return F.linear(x, weight)
+    return torch.ops.mkl._mkl_linear(x.contiguous(), pack, weight, None, x.shape[0])
 
 
 # An operator of its own, so a compiled graph calls it as one opaque kernel with the weight as its input. Registered
@@ -277,22 +286,15 @@ def onednn_reorder_available() -> bool:
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (rows, in) · Wᵀ with W's oneDNN reorder (`pack_weights(..., ANY_ROWS)`); `F.linear` where there is none."""
-    key = (weight.data_ptr(), ANY_ROWS)
-    kept = _PACKS.get(key)
-    if kept is None or kept[0] != weight.shape or kept[1] != weight.stride():
+    pack = _current_pack(weight, ANY_ROWS)
+    if pack is None:
         return F.linear(x, weight)
-    if kept[2] != _version(weight):  # changed in place since it was reordered
-        _keep_pack(weight, ANY_ROWS, new=False)
-        kept = _PACKS[key]
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), kept[3], None, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), pack, None, "none", [], "")
 
 
-class OnednnLinear(_FewRowLinear):
+class OnednnLinear(PackedLinear):
     """`F.linear` over a few rows of x with an fp32 CPU weight computed with W's oneDNN reorder (`onednn_linear`; a
     weight without one goes through `F.linear`)."""
-
-    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return _packable(weight) and x.dtype == weight.dtype
 
     def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return onednn_linear(x, weight)

@@ -177,6 +177,16 @@ def packed_drafter_rows(seen, xpress) -> set[int]:
     return {rows for weight, rows in seen if id(weight) in drafter and (weight.data_ptr(), rows) in layouts._PACKS}
 
 
+def assert_auto_draws_as_input_major(target, xpress) -> None:
+    """Sampling with the same seed draws the same tokens in the "auto" layouts as input-major."""
+    sampled = {}
+    for layout in ("auto", "input_major"):
+        generator = torch.Generator().manual_seed(3)
+        sampled[layout] = xpress.spec_generate(target, IDS, max_new_tokens=30, temperature=1.0, stop_token_ids=[],
+                                               generator=generator, linear_layout=layout).sequences  # fmt: skip
+    assert torch.equal(sampled["auto"], sampled["input_major"])
+
+
 def test_eager_loops_draft_with_packed_weights_exactly(packed_products):
     """With the drafter packed, `spec_generate(compile=False)` and `generate(assistant_model=)` return the target's
     greedy output, and sampling draws what the input-major drafter draws; the block's products (B rows) used the packs."""
@@ -188,12 +198,7 @@ def test_eager_loops_draft_with_packed_weights_exactly(packed_products):
     packed_products.clear()
     assert torch.equal(target.generate(IDS, max_new_tokens=30, do_sample=False, assistant_model=xpress), reference)
     assert packed_drafter_rows(packed_products, xpress) == {8}
-    sampled = {}
-    for layout in ("auto", "input_major"):
-        generator = torch.Generator().manual_seed(3)
-        sampled[layout] = xpress.spec_generate(target, IDS, max_new_tokens=30, temperature=1.0, stop_token_ids=[],
-                                               generator=generator, linear_layout=layout).sequences  # fmt: skip
-    assert torch.equal(sampled["auto"], sampled["input_major"])
+    assert_auto_draws_as_input_major(target, xpress)
 
 
 needs_onednn = pytest.mark.skipif(not layouts.onednn_reorder_available(), reason="no oneDNN reordered linear here")
@@ -281,9 +286,4 @@ def test_eager_loops_verify_with_reordered_weights_exactly(reordered_products):
     reordered_products.clear()
     target(input_ids=IDS)
     assert reordered_products == []
-    sampled = {}
-    for layout in ("auto", "input_major"):
-        generator = torch.Generator().manual_seed(3)
-        sampled[layout] = xpress.spec_generate(target, IDS, max_new_tokens=30, temperature=1.0, stop_token_ids=[],
-                                               generator=generator, linear_layout=layout).sequences  # fmt: skip
-    assert torch.equal(sampled["auto"], sampled["input_major"])
+    assert_auto_draws_as_input_major(target, xpress)
