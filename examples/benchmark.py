@@ -70,8 +70,9 @@ def parse_args() -> argparse.Namespace:
                         help="skip the second baseline: plain generate with a static cache and torch.compile")
     parser.add_argument("--num-assistant-tokens", type=draft_cap_arg, default=None,
                         help="drafts verified per block by every method (default: each checkpoint config's own), or "
-                        "'auto': each method's cap chosen on this machine from its config's draft_acceptance (measured "
-                        "on held-out prompts by examples/choose_draft_length.py, never on these sets)")
+                        "'auto': each method's cap chosen on this machine for each loop (eager, compiled) from its config's "
+                        "draft_acceptance (measured on held-out prompts by examples/choose_draft_length.py, never on "
+                        "these sets)")
     return parser.parse_args()
 
 

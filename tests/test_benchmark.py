@@ -7,6 +7,8 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -134,8 +136,8 @@ def test_draft_cap_applies_to_every_method_for_the_run_only():
 
 def test_auto_draft_cap_is_each_methods_own_choice(monkeypatch):
     """num_assistant_tokens="auto": each method verifies the cap its own draft_acceptance picks on this machine (the
-    products' timing made equal here, so E(c) alone decides: the longest measured cap), the choices are stored, and
-    each config's own cap is back afterwards."""
+    products' timing made equal here, so E(c) alone decides: the longest measured cap), the choices are stored per
+    loop, and each config's own cap is back afterwards."""
     from modeling_xpress.cpu_layouts import CpuLinearPolicy
 
     monkeypatch.setattr(CpuLinearPolicy, "products_samples", lambda self, jobs, rounds=5: [[1e-3] * rounds] * len(jobs))
@@ -143,13 +145,17 @@ def test_auto_draft_cap_is_each_methods_own_choice(monkeypatch):
     acceptance = {"dflash": [0.5], "markov": [0.9, 0.8], "xpress": [1.0, 1.0, 1.0]}
     for name, model in methods.items():
         model.config.draft_acceptance = acceptance[name]
+    methods["markov"].config.num_assistant_tokens = 1  # "auto" overrides a config's own cap for the run
     settings = BenchmarkSettings(max_new_tokens=MAX_NEW, temperatures=(0.0,), k_values=(), adaptive=False,
                                  latency_blocks=1, latency_repeats=1, compiled_plain=False,
                                  num_assistant_tokens="auto")  # fmt: skip
     results = run_benchmark(target, methods, {"a": [[5, 9], [1, 2, 3]]}, settings, progress=False)
-    chosen = {name: choice["cap"] for name, choice in results["draft_caps"].items()}
+    assert {name: set(loops) for name, loops in results["draft_caps"].items()} == {n: {"eager"} for n in methods}
+    chosen = {name: loops["eager"]["cap"] for name, loops in results["draft_caps"].items()}
     assert chosen == {"dflash": 1, "markov": 2, "xpress": 3}
-    assert {name: m["num_assistant_tokens"] for name, m in results["methods"].items()} == chosen
+    assert {name: m["num_assistant_tokens"] for name, m in results["methods"].items()} == {
+        name: {"eager": cap} for name, cap in chosen.items()
+    }
     spec = [r for r in results["records"] if r["stats"] is not None and r["entry"] == "spec_generate"]
     for name, cap in chosen.items():
         lengths = [n for r in spec if r["method"] == name for n in r["stats"]["draft_lengths"]]
@@ -157,8 +163,42 @@ def test_auto_draft_cap_is_each_methods_own_choice(monkeypatch):
     xpress_accepted = [n for r in spec if r["method"] == "xpress" for n in r["stats"]["acceptance_lengths"]]
     assert max(xpress_accepted) == 4  # the perfect head: 3 drafts + the bonus per verification
     assert results["settings"]["num_assistant_tokens"] == "auto"
-    assert "(chosen on this machine)" in reports.markdown_report(results)
-    assert all(model.config.num_assistant_tokens is None for model in methods.values())
+    assert "at most 3 (eager) drafts verified per block (chosen on this machine)" in reports.markdown_report(results)
+    assert methods["markov"].config.num_assistant_tokens == 1
+    assert all(methods[name].config.num_assistant_tokens is None for name in ("dflash", "xpress"))
+
+
+def test_auto_draft_cap_gives_each_loop_its_own_choice(monkeypatch):
+    """With the compiled entry measured, "auto" chooses a cap for each loop, and each entry verifies its loop's: the
+    eager loops (generate, spec_generate) the eager choice, spec_generate(compile=True) the compiled one (the two
+    choices made to differ here)."""
+    from modeling_xpress import draft_cap
+
+    @dataclass
+    class Choice:  # the fields of a DraftCapChoice the benchmark reads
+        cap: int
+        compiled: bool
+        tokens_per_second = (1.0,)
+
+    def choose(xpress, target, *, compiled=True, **kwargs):
+        return Choice(cap=3 if compiled else 2, compiled=compiled)
+
+    monkeypatch.setattr(draft_cap, "choose_draft_cap", choose)
+    target, methods = perfect_methods()
+    methods = {"xpress": methods["xpress"]}
+    methods["xpress"].config.draft_acceptance = [1.0, 1.0, 1.0]
+    settings = BenchmarkSettings(max_new_tokens=MAX_NEW, temperatures=(0.0,), k_values=(), adaptive=False,
+                                 latency_blocks=1, latency_repeats=1, compiled_plain=False,
+                                 entries=("spec_generate", COMPILED_SPEC),
+                                 num_assistant_tokens="auto")  # fmt: skip
+    results = run_benchmark(target, methods, {"a": [[5, 9], [1, 2, 3]]}, settings, progress=False)
+    assert results["methods"]["xpress"]["num_assistant_tokens"] == {"eager": 2, "compiled": 3}
+    lengths = defaultdict(set)
+    for r in results["records"]:
+        if r["stats"] is not None and r["method"] == "xpress":
+            lengths[r["entry"]] |= set(r["stats"]["draft_lengths"])
+    assert max(lengths["spec_generate"]) == 2 and max(lengths[COMPILED_SPEC]) == 3
+    assert all(r["identical_to_plain"] for r in results["records"] if r["entry"] != "plain")
 
 
 def test_auto_draft_cap_needs_every_methods_acceptance():

@@ -384,29 +384,36 @@ def run_benchmark(
     """Measure everything (see the module docstring) and return `{"settings", "environment", "methods", "datasets",
     "records", "latency", "summary", "wall_time_s", ...}`; `metadata` is stored as given (e.g. checkpoint paths).
     `settings.num_assistant_tokens` caps every method's drafts per block for the run (each config's own value is
-    restored afterwards); with "auto" each method's cap is chosen on this machine first, in the layout of the compiled
-    entry when it is measured (`XPressModel.choose_draft_cap`), and the choices are stored as `results["draft_caps"]`.
+    restored afterwards). With "auto" every entry verifies the cap its own loop chooses on this machine, as a user's
+    call with the checkpoint's default does: the eager loops (`generate`, `spec_generate`) the eager choice, the
+    compiled entry the compiled one (`XPressModel.choose_draft_cap`); the choices are made before the run and stored
+    as `results["draft_caps"]` (method -> loop -> choice).
     """
     settings = settings or BenchmarkSettings()
     check_methods(target, methods)
     with contextlib.ExitStack() as caps:
         choices = {}
         if settings.num_assistant_tokens == "auto":
-            choices = choose_draft_caps(target, methods, compiled=COMPILED_SPEC in settings.entries)
-        for name, model in methods.items():
-            cap = choices[name].cap if choices else settings.num_assistant_tokens
-            if cap is not None:
+            loops = ("eager", "compiled") if COMPILED_SPEC in settings.entries else ("eager",)
+            choices = choose_draft_caps(target, methods, loops=loops)
+        for model in methods.values():
+            if settings.num_assistant_tokens is not None:  # "auto": None, so that each loop resolves its own choice
+                cap = None if choices else settings.num_assistant_tokens
                 caps.enter_context(config_setting(model, num_assistant_tokens=cap))
         results = _run_benchmark(target, methods, prompt_sets, settings, metadata, progress)
     if choices:
         results["draft_caps"] = {
-            name: {**asdict(choice), "tokens_per_second": choice.tokens_per_second} for name, choice in choices.items()
-        }
+            name: {loop: {**asdict(choice), "tokens_per_second": choice.tokens_per_second} for loop, choice in loops.items()}
+            for name, loops in choices.items()
+        }  # fmt: skip
+        for name, loops in choices.items():
+            results["methods"][name]["num_assistant_tokens"] = {loop: choice.cap for loop, choice in loops.items()}
     return results
 
 
-def choose_draft_caps(target, methods: Mapping[str, torch.nn.Module], *, compiled: bool) -> dict:
-    """name → `DraftCapChoice` for `num_assistant_tokens="auto"`; every method needs its own measured acceptance."""
+def choose_draft_caps(target, methods: Mapping[str, torch.nn.Module], *, loops: Sequence[str]) -> dict:
+    """name → loop ("eager", "compiled") → `DraftCapChoice` for `num_assistant_tokens="auto"`; every method needs its
+    own measured acceptance."""
     missing = [name for name, model in methods.items() if getattr(model.config, "draft_acceptance", None) is None]
     if missing:
         raise ValueError(
@@ -414,7 +421,10 @@ def choose_draft_caps(target, methods: Mapping[str, torch.nn.Module], *, compile
             f"which {missing} lack: measure it on held-out prompts (examples/choose_draft_length.py --thresholds none "
             "reports it; examples/bundle_checkpoint.py --acceptance stores it), or give an integer cap for every method"
         )
-    return {name: model.choose_draft_cap(target, compiled=compiled) for name, model in methods.items()}
+    return {
+        name: {loop: model.choose_draft_cap(target, compiled=loop == "compiled") for loop in loops}
+        for name, model in methods.items()
+    }
 
 
 def check_methods(target, methods: Mapping[str, torch.nn.Module]) -> None:

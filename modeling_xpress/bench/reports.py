@@ -187,6 +187,15 @@ def _identity_order(key: tuple) -> tuple:
     return ("", entry, (-1, 0)) if method is None else (method, entry, setting_order(setting))
 
 
+def _draft_cap_text(cap, *, chosen: bool) -> str:
+    """", at most 3 drafts verified per block"; with a cap per loop ("auto": {"eager": 3, "compiled": 5}) each loop's."""
+    if not cap:
+        return ""
+    if isinstance(cap, Mapping):
+        cap = " / ".join(f"{n} ({loop})" for loop, n in cap.items())
+    return f", at most {cap} drafts verified per block" + (" (chosen on this machine)" if chosen else "")
+
+
 def markdown_report(results: Mapping, plots: Mapping[str, str] | None = None) -> str:
     """The README-ready report: settings, then one table per measurement, then the plots (relative paths)."""
     s, summary, cols = results["settings"], results["summary"], _columns(results)
@@ -197,8 +206,7 @@ def markdown_report(results: Mapping, plots: Mapping[str, str] | None = None) ->
     methods = ", ".join(
         f"`{m}` ({v['refiner']}, block {v['block_size']}, K≤{v['jacobi_max_iters']}"
         + (", early exit" if v["jacobi_early_exit"] else "")
-        + (f", at most {v['num_assistant_tokens']} drafts verified per block" if v.get("num_assistant_tokens") else "")
-        + (" (chosen on this machine)" if s.get("num_assistant_tokens") == "auto" else "")
+        + _draft_cap_text(v.get("num_assistant_tokens"), chosen=s.get("num_assistant_tokens") == "auto")
         + ")"
         for m, v in results["methods"].items()
     )
