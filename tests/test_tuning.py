@@ -262,6 +262,48 @@ def test_a_broken_record_or_an_unwritable_cache_is_not_an_error(monkeypatch, tmp
     assert choose_draft_cap(xpress, target, compiled=False).record is None
 
 
+def test_a_layouts_timing_is_kept_for_the_machine_and_read_by_a_later_process(monkeypatch):
+    """Whether prepacked weights pay (`cpu_layouts._prepacked_pays`, the layout of the eager verification and of the
+    compiled graphs) is timed once per machine: the rounds go to a record, a later process (its in-process timings
+    cleared) decides from it without timing; another row count is timed again; XPRESS_REMEASURE=1 times again; and a
+    timing made while other jobs held the CPU is used but not kept."""
+    import time
+
+    calls = []
+
+    def products_samples(jobs, rounds=5):  # the prepacked layout 2x faster than either other one
+        calls.append([(rows, kind) for _, rows, kind in jobs])
+        return [[1.0 if kind in ("packed", "onednn") else 2.0] * rounds for _, _, kind in jobs]
+
+    monkeypatch.setattr(layouts, "products_samples", products_samples)
+    monkeypatch.setattr(layouts, "_PREPACKED_TIMINGS", {})
+    weights = [torch.randn(48, 16), torch.randn(16, 48)]
+    assert layouts._prepacked_pays("onednn", weights, 4, 3)
+    assert calls == [[(4, "onednn"), (4, "input_major"), (4, "weight_major")]]
+    (record,) = tuning.Records("layout").folder.glob("layout-*.json")
+    assert json.loads(record.read_text())["samples"] == [[1.0] * 3, [2.0] * 3, [2.0] * 3]
+
+    layouts._PREPACKED_TIMINGS.clear()  # a later process
+    calls.clear()
+    assert layouts._prepacked_pays("onednn", [w.clone() for w in weights], 4, 3) and calls == []
+    assert layouts._prepacked_pays("onednn", weights, 5, 3) and calls == [[(5, "onednn"), (5, "input_major"),
+                                                                           (5, "weight_major")]]  # fmt: skip
+    layouts._PREPACKED_TIMINGS.clear()
+    calls.clear()
+    monkeypatch.setenv(tuning.REMEASURE_ENV_VAR, "1")
+    assert layouts._prepacked_pays("onednn", weights, 4, 3) and len(calls) == 1
+    monkeypatch.delenv(tuning.REMEASURE_ENV_VAR)
+
+    def waiting(jobs, rounds=5):  # this process kept off the cores
+        time.sleep(0.05)
+        return products_samples(jobs, rounds)
+
+    monkeypatch.setattr(layouts, "products_samples", waiting)
+    monkeypatch.setattr(tuning, "MIN_CPU_SHARE", 0.8)  # (off for the other tests: conftest.py)
+    assert layouts._prepacked_pays("packed", weights, 4, 3)
+    assert len(list(tuning.Records("layout").folder.glob("layout-*.json"))) == 2  # rows 4 and 5 of "onednn" only
+
+
 # --- fresh processes, real timings (slow) ------------------------------------------------------------------------
 
 CHOOSE = """

@@ -11,7 +11,8 @@ reorder a weight once into a blocked layout that serves every row count (`Onednn
 verification, whose width changes every step, can use: on a 2-core Intel Xeon with AMX, Gemma-3's 262,144 × 640
 lm_head took 60 / 92 ms over 4 / 8 rows input-major and 30 / 35 ms reordered. Which layout is fastest depends on the
 CPU and its BLAS, so "auto" times them on the models' own weights (`weight_major_pays`, `packed_pays`,
-`onednn_pays`), once per weight shapes, row count and thread count in a process.
+`onednn_pays`), once per weight shapes, row count and thread count (the prepacked kinds' timings once per machine,
+kept in its record).
 
 Everything here is reached through a `CpuLinearPolicy` that a decoder owns: the layouts it decided, for its own
 weight groups. What is kept across decoders pins no model: timings by weight shapes, and packs that die with their
@@ -32,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from .policy import LinearPolicy, product_sweeps, time_rounds, timing_input
 from .stats import median_seconds
+from .tuning import machine, recorded_rounds, tensors_digest
 
 # Weight-major (or packed) is chosen only if the timed products are at least 1.25× faster that way: the microbenchmark
 # leaves out what the layout changes around the product inside a graph. Measured on SmolLM2 (2-core AMD EPYC), whole
@@ -307,14 +309,20 @@ _PREPACKED_TIMINGS: dict[tuple, tuple[float, float, float]] = {}
 def _prepacked_pays(kind: str, weights, rows: int, repeats: int) -> bool:
     """Whether `F.linear` over `rows` rows of these weights is faster with prepacked weights (`kind`: "packed", MKL
     packs for that many rows, or "onednn", oneDNN reorders) than both other layouts, and than input-major by
-    `WEIGHT_MAJOR_MARGIN`. Timed as a forward streams them (`products_seconds`: every weight once, packed, the packs
+    `WEIGHT_MAJOR_MARGIN`. Timed as a forward streams them (`products_samples`: every weight once, packed, the packs
     made for the timing dropped after): one weight timed over and over stays in cache, and on the Intel Xeon that
     ranked the layouts differently from the forward. Each (kind, weight shapes, rows, threads) is timed once per
-    process."""
+    machine: the rounds are kept in its record (`tuning.recorded_rounds`), so a later process reads them instead of
+    timing again (on the Xeon with AMX, Gemma-3 fp32, ~1.3 s per verification width, a few seconds before a first
+    call's first token); a timing made while other jobs held the CPU is used in its process only."""
     key = (kind, tuple((tuple(weight.shape), weight.dtype) for weight in weights), rows, torch.get_num_threads())
     if key not in _PREPACKED_TIMINGS:
-        jobs = [(weights, rows, layout) for layout in (kind, "input_major", "weight_major")]
-        _PREPACKED_TIMINGS[key] = tuple(products_seconds(jobs, repeats=repeats))
+        layouts = (kind, "input_major", "weight_major")
+        record_key = {"machine": machine(weights[0].device), "weights": tensors_digest(weights), "rows": rows,
+                      "repeats": repeats, "jobs": list(layouts)}  # fmt: skip
+        jobs = [(weights, rows, layout) for layout in layouts]
+        samples = recorded_rounds("layout", record_key, lambda: products_samples(jobs, rounds=repeats))
+        _PREPACKED_TIMINGS[key] = tuple(statistics.median(times) for times in samples)
     packed, input_major, weight_major = _PREPACKED_TIMINGS[key]
     return packed < WEIGHT_MAJOR_MARGIN * input_major and packed < weight_major
 

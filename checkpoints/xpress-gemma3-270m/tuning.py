@@ -268,6 +268,36 @@ class Timed:
         return len(self.samples[0])
 
 
+def _measured(measure: Callable[[], list[list[float]]]) -> tuple[list[list[float]], float, float]:
+    """`measure()`'s rounds, its wall seconds, and the share of the CPU time its threads asked for that this process
+    got (below `MIN_CPU_SHARE`: other jobs held the cores)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    samples = measure()
+    seconds = time.perf_counter() - start
+    return samples, seconds, (time.process_time() - cpu_start) / max(seconds * torch.get_num_threads(), 1e-9)
+
+
+def recorded_rounds(kind: str, key: dict, measure: Callable[[], list[list[float]]]) -> list[list[float]]:
+    """Timed rounds that decide without a comparison of their own (a layout's products, `cpu_layouts`): `key`'s rounds
+    from this machine's record of that `kind`, or `measure()`d now and recorded, except on a CPU where this process got
+    less than `MIN_CPU_SHARE` of the CPU time its threads asked for (then used in this process only).
+    `XPRESS_REMEASURE=1` skips the record."""
+    records = Records(kind)
+    record = None if remeasure_requested() else records.read(key)
+    if record is not None and len(record["samples"]) == len(key["jobs"]):
+        return record["samples"]
+    samples, seconds, share = _measured(measure)
+    if key["machine"]["device"] != "cpu" or share >= MIN_CPU_SHARE:
+        records.write(key, samples, seconds)
+    return samples
+
+
+def tensors_digest(tensors) -> str:
+    """A digest of the tensors' shapes, dtypes and devices, in order: what their products' timings depend on."""
+    parts = [(list(t.shape), str(t.dtype), t.device.type) for t in tensors]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+
+
 def timed_choice(kind: str, key: dict, measure: Callable[[int], list[list[float]]],
                  decide: Callable[[list[list[float]]], Comparison], *, remeasure: bool = False) -> Timed:  # fmt: skip
     """The rounds of `key`'s jobs from this machine's record of that `kind`, or timed now (`measure_rounds(measure)`)
@@ -279,10 +309,7 @@ def timed_choice(kind: str, key: dict, measure: Callable[[int], list[list[float]
     if record is not None and len(record["samples"]) == len(key["jobs"]):
         samples = record["samples"]
         return Timed(samples, decide(samples), 0.0, str(records.path(key)))
-    start, cpu_start = time.perf_counter(), time.process_time()
-    samples = measure_rounds(measure)
-    seconds = time.perf_counter() - start
-    share = (time.process_time() - cpu_start) / max(seconds * torch.get_num_threads(), 1e-9)
+    samples, seconds, share = _measured(lambda: measure_rounds(measure))
     comparison = decide(samples)
     why_not = None
     if key["machine"]["device"] == "cpu" and share < MIN_CPU_SHARE:
@@ -303,6 +330,6 @@ __all__ = [
     "BUDGET_SECONDS", "CACHE_ENV_VAR", "Comparison", "MIN_ADVANTAGE", "MIN_CPU_SHARE", "RECORD_NOISE",
     "REMEASURE_ENV_VAR", "Records",
     "Timed", "cache_dir", "check_remeasure", "compare", "machine", "measure_rounds", "models_digest",
-    "remeasure_requested",
+    "recorded_rounds", "remeasure_requested", "tensors_digest",
     "timed_choice",
 ]  # fmt: skip
