@@ -81,8 +81,8 @@ def evaluation_summary(results: dict) -> str:
            "`dflash` rows are this checkpoint with its head switched off (`jacobi_max_iters=0`), `xpress` with it on. "
            if "dflash" in methods else "")
         + "Small-sample CPU figures: read them as what this pair does on this machine, not as the paper's." + (
-            " Every method verified at most the drafts per block chosen on this machine from the checkpoint's "
-            "held-out `draft_acceptance` (`num_assistant_tokens=\"auto\"`, the default)."
+            " Every entry verified at most the drafts per block its own loop (eager or compiled) chose on this "
+            "machine from the checkpoint's held-out `draft_acceptance` (`num_assistant_tokens=\"auto\"`, the default)."
             if s.get("num_assistant_tokens") == "auto" else
             f" Every method verified at most {s['num_assistant_tokens']} drafts per block (`num_assistant_tokens`, "
             "chosen on held-out training prompts, never on these sets)." if s.get("num_assistant_tokens") else ""
