@@ -27,6 +27,14 @@ REQUIRED = os.environ.get("XPRESS_VLLM_TESTS") == "required"
 pytestmark = pytest.mark.slow
 
 
+def vllm_env(**extra: str) -> dict[str, str]:
+    """The environment of a .venv-vllm subprocess (and of the vLLM processes it starts): this checkout's packages ahead
+    of the editable install .venv-vllm was built with, which may be another checkout's (a git worktree's venv is often
+    a link to the main one), so that the tests always run the code beside them."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
     if not VLLM_PYTHON.exists():
@@ -65,7 +73,7 @@ def prompts_file(target_dir, tmp_path_factory) -> Path:
 def run_engine(vllm_python, method, prompts, out, target, *extra, checkpoint=CHECKPOINT, check=True):
     command = [str(vllm_python), str(BENCHMARK), "engine", "--method", method, "--out", str(out), "--prompts", str(prompts),
                "--checkpoint", str(checkpoint), "--target", str(target), "--eager", "--memory", "0.2", *extra]  # fmt: skip
-    env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    env = vllm_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     # vLLM logs (and reports a worker's exception) on stdout: keep both streams in one.
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, env=env,
                           cwd=REPO)  # fmt: skip
@@ -84,7 +92,7 @@ def test_plugin_imports_under_vllms_transformers(vllm_python):
         "assert 'xpress' in names, names\n"
         "print(transformers.__version__, vllm.__version__)"
     )
-    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300, env=vllm_env())
     assert done.returncode == 0, done.stderr[-3000:]
     transformers_version, vllm_version = done.stdout.split()
     assert not transformers_version.startswith("5.24")  # really the other release
@@ -115,7 +123,8 @@ source = inspect.getsource(own)
 assert "q.exponential_()" in source and "recovered_token_ids = torch.empty_like(draft_token_ids)" in source
 print("ok")
 """
-    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=vllm_env())  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
@@ -141,7 +150,8 @@ assert metadata.max_spec_len == 0 and metadata.logits_indices.tolist() == [4, 5,
 assert metadata.bonus_logits_indices.tolist() == [0, 1, 2]
 print("ok")
 """
-    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=vllm_env())  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
@@ -213,7 +223,8 @@ def test_sampling_accepts_drafts_with_the_heads_q(vllm_python, prompts_file, tar
 def seeded_runs(vllm_python, target_dir, prompts_file, out, method: str, *extra) -> dict:
     command = [str(vllm_python), str(REPO / "tests" / "vllm_seed_engine.py"), str(target_dir), str(prompts_file),
                str(out), "--method", method, "--checkpoint", str(CHECKPOINT), *extra]  # fmt: skip
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO)
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO,
+                          env=vllm_env())  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:]
     return json.loads(Path(out).read_text())
 
@@ -282,7 +293,7 @@ except NotImplementedError as error:
     print("TP:", error)
 """
     done = subprocess.run([str(vllm_python), "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300, cwd=REPO)  # fmt: skip
+                          timeout=300, cwd=REPO, env=vllm_env())  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     assert "VERSION: xpress_vllm supports vLLM 0.32.x, but vLLM 0.33.0 is installed. Install a supported" in done.stdout
     assert "TP: xpress_vllm is tested with tensor_parallel_size=1 only" in done.stdout, done.stdout[-3000:]
@@ -308,7 +319,7 @@ except ValueError as error:
     print("WINDOWS:", error)
 """
     done = subprocess.run([str(vllm_python), "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300, cwd=REPO)  # fmt: skip
+                          timeout=300, cwd=REPO, env=vllm_env())  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     assert "WINDOWS: This xPress drafter has sliding-window layers (attention_windows=[None, 9])" in done.stdout, done.stdout[-3000:]
     assert "write it with modeling_xpress.conversion.write_dflash_checkpoint" in done.stdout
@@ -332,7 +343,7 @@ except ValueError as error:
     print("GEMMA:", error)
 """
     done = subprocess.run([str(vllm_python), "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300, cwd=REPO)  # fmt: skip
+                          timeout=300, cwd=REPO, env=vllm_env())  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     assert "GEMMA: xpress_vllm cannot serve a ['gemma3_text'] target on vLLM 0.32" in done.stdout, done.stdout[-3000:]
     assert "spec_generate(target, input_ids, compile=True)" in done.stdout
@@ -346,7 +357,7 @@ def test_too_many_drafts_for_the_block(vllm_python, prompts_file, target_dir, tm
 
 
 def sample_through_vllm(vllm_python, target_dir, checkpoint, out, *, keep_cpu_expand=False):
-    env = {**os.environ, "XPRESS_VLLM_KEEP_CPU_EXPAND": "1" if keep_cpu_expand else "0"}
+    env = vllm_env(XPRESS_VLLM_KEEP_CPU_EXPAND="1" if keep_cpu_expand else "0")
     command = [str(vllm_python), str(REPO / "tests" / "vllm_sampling_engine.py"), str(target_dir), str(checkpoint),
                str(out), "--samples", str(CHI2_DRAWS), "--prompt", "0", "2", "1", "1"]  # fmt: skip
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, env=env)
@@ -406,7 +417,7 @@ def test_make_serve_answers_an_openai_chat_request(vllm_python, target_dir):
     """`make serve` (here with --enforce-eager for a quick start) and examples/vllm_client.py, on loopback."""
     port = free_port()
     server = subprocess.Popen(["make", "-s", "serve", f"PORT={port}", "SERVE_ARGS=--enforce-eager --host 127.0.0.1"],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=vllm_env(),
                               start_new_session=True)  # fmt: skip
     try:
         done = subprocess.run([sys.executable, str(REPO / "examples" / "vllm_client.py"), "--url",
