@@ -6,7 +6,14 @@ package (which needs `datasets`, in .venv):
     .venv/bin/python examples/vllm_benchmark.py prompts --held-out 16 --out runs/vllm/prompts.json
     .venv-vllm/bin/python examples/vllm_benchmark.py run --prompts runs/vllm/prompts.json --json runs/vllm/result.json
 
-`prompts` writes chat-templated token ids (the target's own template), so every engine sees identical inputs.
+`prompts` writes token ids, so every engine sees identical inputs: chat-templated (the target's own template) for an
+instruct target, plain text with the tokenizer's BOS for a base model. `--target` names a bundled pair (`smollm2`,
+the default, or `gemma`: Gemma-3-270M, a base model, with its held-out completion prompts) or a target folder; a
+pair's checkpoint is the default `--checkpoint`:
+
+    .venv/bin/python examples/vllm_benchmark.py prompts --target gemma --held-out 8 --out runs/vllm/gemma.json
+    .venv-vllm/bin/python examples/vllm_benchmark.py run --target gemma --prompts runs/vllm/gemma.json --temperatures 0
+
 `run` starts one vLLM engine per method, one after the other, each in its own process: vLLM plain; `dflash`, the
 xPress checkpoint with its head switched off (`jacobi_max_iters=0`); `xpress`, the checkpoint as saved; `xpress-dyn`,
 the same with vLLM's dynamic schedule (drafts only while at most `--speculate-up-to` requests run, as `make serve`).
@@ -33,22 +40,44 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-CHECKPOINT = REPO / "checkpoints" / "xpress-smollm2-135m-instruct"
-TARGET = Path.home() / ".cache" / "xpress" / "SmolLM2-135M-Instruct"
+from modeling_xpress.bench.demo import BUNDLED
+
+CHECKPOINT = BUNDLED["smollm2"].checkpoint  # with a target folder and no --checkpoint
 METHODS = ("plain", "dflash", "xpress", "xpress-dyn")
 
 
-def write_prompts(args) -> None:
+def resolve_target(args) -> bool | None:
+    """`--target NAME` of a bundled pair: its target folder (converted once from its GGUF), its checkpoint unless
+    `--checkpoint` is given, and its held-out prompt kinds unless `--kinds` is. Returns whether prompts are chat turns
+    (None for a target folder: whether its tokenizer has a chat template)."""
+    chat = None
+    if args.target in BUNDLED:
+        from modeling_xpress.bench.assets import gguf_target_dir
+
+        pair = BUNDLED[args.target]
+        args.target, chat = str(gguf_target_dir(pair.target)), pair.chat
+        if getattr(args, "kinds", "") is None:
+            args.kinds = pair.held_out_kinds
+        if getattr(args, "checkpoint", "") is None:
+            args.checkpoint = str(pair.checkpoint)
+    if getattr(args, "kinds", "") is None:
+        args.kinds = "task"
+    if getattr(args, "checkpoint", "") is None:
+        args.checkpoint = str(CHECKPOINT)
+    return chat
+
+
+def write_prompts(args, chat: bool | None) -> None:
     from transformers import AutoTokenizer
 
+    from modeling_xpress.bench.benchmark import prompt_ids
     from modeling_xpress.training.prompts import GENERATORS
     from modeling_xpress.training.regeneration import held_out_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     texts = held_out_prompts(args.held_out, kinds=GENERATORS[args.kinds])
-    ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
-                                         return_dict=True)["input_ids"] for t in texts]  # fmt: skip
+    chat = bool(tokenizer.chat_template) if chat is None else chat
+    ids = [t[0].tolist() for t in prompt_ids(tokenizer, texts, chat=chat)]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"source": f"held-out {args.kinds} prompts", "prompt_token_ids": ids}))
     print(f"wrote {len(ids)} prompts ({min(map(len, ids))}..{max(map(len, ids))} tokens) to {args.out}")
@@ -218,16 +247,17 @@ def run(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prompts", help="write chat-templated held-out prompts (run with .venv)")
+    p = sub.add_parser("prompts", help="write the token ids of held-out prompts (run with .venv)")
     p.add_argument("--held-out", type=int, default=16)
-    p.add_argument("--kinds", choices=("default", "task", "mined"), default="task")
-    p.add_argument("--target", default=str(TARGET))
+    p.add_argument("--kinds", choices=("default", "task", "mined", "completion"), default=None,
+                   help="held-out prompts of this training generator (default: the pair's, 'task' for a folder)")
+    p.add_argument("--target", default="smollm2", help=f"a bundled pair {sorted(BUNDLED)} or a target folder")
     p.add_argument("--out", required=True)
     for name in ("run", "engine"):
         p = sub.add_parser(name, help="measure (run with .venv-vllm)" if name == "run" else argparse.SUPPRESS)
         p.add_argument("--prompts", required=True)
-        p.add_argument("--checkpoint", default=str(CHECKPOINT))
-        p.add_argument("--target", default=str(TARGET))
+        p.add_argument("--checkpoint", default=None, help="xPress folder (default: the pair's bundled checkpoint)")
+        p.add_argument("--target", default="smollm2", help=f"a bundled pair {sorted(BUNDLED)} or a target folder")
         p.add_argument("--dtype", default="float32")
         p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
         p.add_argument("--max-tokens", type=int, nargs="+", default=[128],
@@ -253,7 +283,11 @@ def main() -> None:
             p.add_argument("--method", choices=METHODS, required=True)
             p.add_argument("--out", required=True)
     args = parser.parse_args()
-    {"prompts": write_prompts, "run": run, "engine": run_engine}[args.command](args)
+    chat = resolve_target(args)
+    if args.command == "prompts":
+        write_prompts(args, chat)
+    else:
+        {"run": run, "engine": run_engine}[args.command](args)
 
 
 if __name__ == "__main__":

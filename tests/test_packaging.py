@@ -233,7 +233,7 @@ def test_install_requires_is_what_decoding_imports():
 # packages only they import.
 VLLM_SIDE = {
     "examples/vllm_benchmark.py", "tests/vllm_sampling_engine.py", "tests/vllm_seed_engine.py",
-    "tests/speculators_reference.py", "modeling_xpress/pipeline/vllm_engine.py",
+    "tests/vllm_drafts_engine.py", "tests/speculators_reference.py", "modeling_xpress/pipeline/vllm_engine.py",
 }  # fmt: skip
 VLLM_SIDE_PACKAGES = ("vllm", "speculators")
 # Reference implementations the tests compare with, installed by the Makefile without dependencies (their extras pin

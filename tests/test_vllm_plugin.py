@@ -27,6 +27,14 @@ REQUIRED = os.environ.get("XPRESS_VLLM_TESTS") == "required"
 pytestmark = pytest.mark.slow
 
 
+def vllm_env(**extra: str) -> dict[str, str]:
+    """The environment of a .venv-vllm subprocess (and of the vLLM processes it starts): this checkout's packages ahead
+    of the editable install .venv-vllm was built with, which may be another checkout's (a git worktree's venv is often
+    a link to the main one), so that the tests always run the code beside them."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
     if not VLLM_PYTHON.exists():
@@ -65,7 +73,7 @@ def prompts_file(target_dir, tmp_path_factory) -> Path:
 def run_engine(vllm_python, method, prompts, out, target, *extra, checkpoint=CHECKPOINT, check=True):
     command = [str(vllm_python), str(BENCHMARK), "engine", "--method", method, "--out", str(out), "--prompts", str(prompts),
                "--checkpoint", str(checkpoint), "--target", str(target), "--eager", "--memory", "0.2", *extra]  # fmt: skip
-    env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    env = vllm_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     # vLLM logs (and reports a worker's exception) on stdout: keep both streams in one.
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, env=env,
                           cwd=REPO)  # fmt: skip
@@ -84,7 +92,7 @@ def test_plugin_imports_under_vllms_transformers(vllm_python):
         "assert 'xpress' in names, names\n"
         "print(transformers.__version__, vllm.__version__)"
     )
-    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300, env=vllm_env())
     assert done.returncode == 0, done.stderr[-3000:]
     transformers_version, vllm_version = done.stdout.split()
     assert not transformers_version.startswith("5.24")  # really the other release
@@ -115,7 +123,8 @@ source = inspect.getsource(own)
 assert "q.exponential_()" in source and "recovered_token_ids = torch.empty_like(draft_token_ids)" in source
 print("ok")
 """
-    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=vllm_env())  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
@@ -141,7 +150,8 @@ assert metadata.max_spec_len == 0 and metadata.logits_indices.tolist() == [4, 5,
 assert metadata.bonus_logits_indices.tolist() == [0, 1, 2]
 print("ok")
 """
-    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=vllm_env())  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
@@ -213,7 +223,8 @@ def test_sampling_accepts_drafts_with_the_heads_q(vllm_python, prompts_file, tar
 def seeded_runs(vllm_python, target_dir, prompts_file, out, method: str, *extra) -> dict:
     command = [str(vllm_python), str(REPO / "tests" / "vllm_seed_engine.py"), str(target_dir), str(prompts_file),
                str(out), "--method", method, "--checkpoint", str(CHECKPOINT), *extra]  # fmt: skip
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO)
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO,
+                          env=vllm_env())  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:]
     return json.loads(Path(out).read_text())
 
@@ -282,7 +293,7 @@ except NotImplementedError as error:
     print("TP:", error)
 """
     done = subprocess.run([str(vllm_python), "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300, cwd=REPO)  # fmt: skip
+                          timeout=300, cwd=REPO, env=vllm_env())  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     assert "VERSION: xpress_vllm supports vLLM 0.32.x, but vLLM 0.33.0 is installed. Install a supported" in done.stdout
     assert "TP: xpress_vllm is tested with tensor_parallel_size=1 only" in done.stdout, done.stdout[-3000:]
@@ -308,34 +319,168 @@ except ValueError as error:
     print("WINDOWS:", error)
 """
     done = subprocess.run([str(vllm_python), "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300, cwd=REPO)  # fmt: skip
+                          timeout=300, cwd=REPO, env=vllm_env())  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     assert "WINDOWS: This xPress drafter has sliding-window layers (attention_windows=[None, 9])" in done.stdout, done.stdout[-3000:]
     assert "write it with modeling_xpress.conversion.write_dflash_checkpoint" in done.stdout
 
-def test_a_gemma_target_is_refused_with_what_to_do(vllm_python, tmp_path):
-    """vLLM 0.32 cannot serve a dFlash drafter on Gemma-3 (no intermediate hidden states from its Gemma models, and a
-    shared embedding without Gemma's √H scale: docs/vllm.md): the drafter's construction stops with what to use
-    instead (driven without an engine: a stand-in for vLLM's config)."""
+def test_other_gemma_targets_are_refused_with_what_to_do(vllm_python, tmp_path):
+    """The plugin serves Gemma-3 text targets (below). vLLM 0.32's other Gemma models (Gemma, Gemma 2, Gemma-3n and
+    the multimodal Gemma-3) give a dFlash drafter no hidden states: a Gemma 2 target stops the drafter's construction
+    with what to use instead (driven without an engine: a stand-in for vLLM's config), and the check passes a
+    Gemma-3 text target and refuses a multimodal Gemma-3 one."""
     target = tiny_gemma3(vocab_size=96)
     tiny_xpress(target, mask_token_id=0).save_pretrained(tmp_path / "xpress")
+    shape = {k: getattr(target.config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim",
+                                                    "num_attention_heads", "num_key_value_heads")}  # fmt: skip
     script = f"""
 from types import SimpleNamespace as NS
-from transformers import Gemma3TextConfig
+from transformers import Gemma2Config, Gemma3Config, Gemma3TextConfig
 import xpress_vllm.model as model
 model.get_tensor_model_parallel_world_size = lambda: 1
 spec = NS(draft_model_config=NS(model={str(tmp_path / "xpress")!r}, revision=None), num_speculative_tokens=3)
-config = NS(speculative_config=spec, model_config=NS(hf_config=Gemma3TextConfig(**{target.config.to_diff_dict()!r})))
+config = NS(speculative_config=spec, model_config=NS(hf_config=Gemma2Config(**{shape!r})))
 try:
     model.XPressDFlashForCausalLM(vllm_config=config)
 except ValueError as error:
-    print("GEMMA:", error)
+    print("GEMMA2:", error)
+model.check_served_target(Gemma3TextConfig(**{shape!r}))
+try:
+    model.check_served_target(Gemma3Config(text_config={shape!r}))
+except ValueError as error:
+    print("GEMMA3-MULTIMODAL:", error)
 """
     done = subprocess.run([str(vllm_python), "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300, cwd=REPO)  # fmt: skip
+                          timeout=300, cwd=REPO, env=vllm_env())  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "GEMMA: xpress_vllm cannot serve a ['gemma3_text'] target on vLLM 0.32" in done.stdout, done.stdout[-3000:]
+    assert "GEMMA2: xpress_vllm serves Gemma-3 text models (model_type 'gemma3_text'" in done.stdout, done.stdout
+    assert "but not a ['gemma2'] target" in done.stdout
     assert "spec_generate(target, input_ids, compile=True)" in done.stdout
+    assert "GEMMA3-MULTIMODAL: xpress_vllm serves Gemma-3 text models" in done.stdout
+    assert "but not a ['gemma3', 'gemma3_text'] target" in done.stdout
+
+
+def test_the_drafter_embeds_as_transformers_gemma3_does(vllm_python):
+    """vLLM hands the drafter the target's embedding table, and its Gemma-3 scales by √H outside it; the drafter's
+    `embed_input_ids` must give what `XPressModel.embed_blocks` gives through transformers' Gemma-3 embedding, bit for
+    bit in float32 and bfloat16 (where the scale is rounded to the table's dtype first: √640 is 25.25 there), with a
+    learned mask vector (not scaled) and with a mask token (scaled). Driven without an engine: the drafter model's
+    method on a stand-in holding the table."""
+    script = """
+import torch
+from types import SimpleNamespace as NS
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from modeling_xpress import XPressConfig, XPressModel
+from xpress_vllm.model import XPressDFlashModel, target_embedding_scale
+torch.manual_seed(0)
+target = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=96, hidden_size=640, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=1, num_key_value_heads=1, head_dim=32))
+anchors = torch.tensor([[7, 11, 95]])
+for dtype in (torch.float32, torch.bfloat16):
+    for mask_token_id in (None, 5):
+        xpress = XPressModel(XPressConfig.from_target_config(target.config, num_hidden_layers=1, block_size=4,
+                                                             mask_token_id=mask_token_id))
+        if mask_token_id is None:
+            torch.nn.init.normal_(xpress.mask_embedding)
+        table = target.to(dtype).get_input_embeddings()
+        expected = xpress.to(dtype).embed_blocks(anchors, table)[0]  # (3 * 4, H): [anchor, mask x 3] per block
+        mask_id = 96 if mask_token_id is None else mask_token_id  # XPressVLLMConfig's mask id
+        ids = torch.tensor([[a, mask_id, mask_id, mask_id] for a in anchors[0].tolist()]).view(-1)
+        drafter = NS(embed_tokens=torch.nn.Embedding.from_pretrained(table.weight), mask_token_id=mask_id,
+                     embed_scale=target_embedding_scale(target.config), mask_embedding=xpress.mask_embedding,
+                     has_separate_mask_embedding=mask_token_id is None)
+        got = XPressDFlashModel.embed_input_ids(drafter, ids)
+        assert got.dtype == dtype and torch.equal(got, expected), (dtype, mask_token_id, (got - expected).abs().max())
+        print("equal", dtype, mask_token_id)
+"""
+    done = subprocess.run([str(vllm_python), "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300, cwd=REPO, env=vllm_env())  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert done.stdout.count("equal") == 4, done.stdout[-3000:]
+
+
+GEMMA_K = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma_pair(tmp_path_factory) -> Path:
+    """A tiny random Gemma-3 target (five sliding-window layers of 8 tokens, shorter than the prompts, to one global;
+    head_dim 32 for vLLM's CPU attention) with a tokenizer, an xPress drafter for it with a learned mask vector and
+    blocks of K + 1 (what vLLM drafts, so that transformers' draft of a block is the same computation) reading layers
+    1 and 3, and four prompts of 3, 12, 20 and 33 tokens; all in one folder."""
+    import torch
+
+    folder = tmp_path_factory.mktemp("gemma")
+    target = tiny_gemma3(vocab_size=96, head_dim=32)
+    target.save_pretrained(folder / "target")
+    tiny_tokenizer(96).save_pretrained(folder / "target")
+    tiny_xpress(target, mask_token_id=None, block_size=GEMMA_K + 1, target_layer_ids=[1, 3]).save_pretrained(
+        folder / "xpress")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 12, 20, 33)]
+    (folder / "prompts.json").write_text(json.dumps({"prompt_token_ids": prompts}))
+    return folder
+
+
+def transformers_proposals(target, xpress, prompt: list[int], tokens: list[int], k: int) -> list[list[int]]:
+    """The proposals of a greedy run that emitted `tokens` after `prompt`, made by transformers' target and
+    `XPressModel` (`drafting.draft_block`): at each step the drafter reads the target's hidden states of the committed
+    tokens before the anchor and drafts k tokens after it; the step then commits the drafts that match `tokens` and
+    one more, whose last is the next anchor."""
+    import torch
+    from transformers import DynamicCache
+
+    from modeling_xpress.drafting import draft_block, target_features
+
+    sequence, n, proposals = prompt + tokens, 0, []
+    while n < len(tokens):
+        anchor = len(prompt) + n  # the anchor's index in the sequence
+        with torch.no_grad():
+            hidden = target(torch.tensor([sequence[:anchor]]), output_hidden_states=True).hidden_states
+            features = target_features(hidden, xpress.config.target_layer_ids, anchor)
+            last = torch.tensor([sequence[anchor - 1 : anchor + 1]])
+            drafts = draft_block(xpress, target.get_input_embeddings(), target.lm_head, last, features, 0,
+                                 DynamicCache(), positions=k).tokens[0].tolist()  # fmt: skip
+        proposals.append(drafts)
+        accepted = 0
+        while accepted < k and n + 1 + accepted < len(tokens) and drafts[accepted] == tokens[n + 1 + accepted]:
+            accepted += 1
+        n += accepted + 1
+    return proposals
+
+
+def test_a_gemma3_target_serves_greedy_identical_with_transformers_drafts(vllm_python, tiny_gemma_pair, tmp_path):
+    """On a Gemma-3 target vLLM 0.32 alone cannot run a dFlash drafter: its Gemma-3 returns no hidden states for one,
+    and the drafter would embed without Gemma's √H scale (docs/vllm.md). With the plugin's target class and scale:
+    greedy output equals vLLM plain's, alone and at batch 4 (prompts and outputs longer than the sliding window), and
+    every proposal the drafter made in vLLM is the one transformers' Gemma-3 and `XPressModel` make after the same
+    tokens: the hidden states vLLM hands the drafter are transformers' `output_hidden_states` and the block is
+    embedded as in training. Measured when it was written: 64 of 64 proposals equal; without the scale 15; with each
+    layer's output missing its residual stream 0."""
+    from transformers import AutoModelForCausalLM
+
+    from modeling_xpress import XPressModel
+
+    folder = tiny_gemma_pair
+    prompts = json.loads((folder / "prompts.json").read_text())["prompt_token_ids"]
+    plain = run_engine(vllm_python, "plain", folder / "prompts.json", tmp_path / "plain.json", folder / "target",
+                       "--batches", "1", "4", "--temperatures", "0", "--max-tokens", "16", "--max-model-len", "256")
+    command = [str(vllm_python), str(REPO / "tests" / "vllm_drafts_engine.py"), str(folder / "target"),
+               str(folder / "xpress"), str(folder / "prompts.json"), str(tmp_path / "drafts.json"), "--k", str(GEMMA_K),
+               "--max-tokens", "16"]  # fmt: skip
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO,
+                          env=vllm_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1"))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:]
+    served = json.loads((tmp_path / "drafts.json").read_text())
+    assert served["classes"] == {"target": "Gemma3ForCausalLMWithAux", "drafter": "XPressDFlashForCausalLM"}
+    assert [run["tokens"] for run in served["alone"]] == plain["T=0 batch=1"]["outputs"][0]
+    assert served["together"] == plain["T=0 batch=4"]["outputs"][0]
+    assert all(len(tokens) == 16 for tokens in served["together"]) and served["drafts"] > 0
+    target = AutoModelForCausalLM.from_pretrained(folder / "target", dtype="float32").eval()
+    xpress = XPressModel.from_pretrained(folder / "xpress", dtype="float32").eval()
+    for prompt, run in zip(prompts, served["alone"]):
+        expected = transformers_proposals(target, xpress, prompt, run["tokens"], GEMMA_K)
+        assert run["proposals"] == expected, (prompt, run["proposals"], expected)
 
 
 def test_too_many_drafts_for_the_block(vllm_python, prompts_file, target_dir, tmp_path):
@@ -345,16 +490,46 @@ def test_too_many_drafts_for_the_block(vllm_python, prompts_file, target_dir, tm
     assert "Pass num_speculative_tokens <= 15" in done.stdout, done.stdout[-3000:]
 
 
-def sample_through_vllm(vllm_python, target_dir, checkpoint, out, *, keep_cpu_expand=False):
-    env = {**os.environ, "XPRESS_VLLM_KEEP_CPU_EXPAND": "1" if keep_cpu_expand else "0"}
-    command = [str(vllm_python), str(REPO / "tests" / "vllm_sampling_engine.py"), str(target_dir), str(checkpoint),
-               str(out), "--samples", str(CHI2_DRAWS), "--prompt", "0", "2", "1", "1"]  # fmt: skip
+CHI2_DRAWS = 2000
+CHI2_PROMPT = [0, 2, 1, 1]
+
+
+def sample_through_vllm(vllm_python, folder: Path, out, *, keep_cpu_expand=False):
+    env = vllm_env(XPRESS_VLLM_KEEP_CPU_EXPAND="1" if keep_cpu_expand else "0")
+    command = [str(vllm_python), str(REPO / "tests" / "vllm_sampling_engine.py"), str(folder / "target"),
+               str(folder / "xpress"), str(out), "--samples", str(CHI2_DRAWS),
+               "--prompt", *map(str, CHI2_PROMPT)]  # fmt: skip
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-4000:]
     return json.loads(Path(out).read_text())
 
 
-CHI2_DRAWS = 2000
+def save_lossless_case(target, folder: Path, target_layer_ids: list[int]) -> dict[tuple[int, ...], float]:
+    """Save a tiny target over 3 tokens with a tokenizer (`folder/target`) and a random xPress drafter with a random
+    head for it (`folder/xpress`); return the target's exact distribution of the 27 continuations of CHI2_PROMPT."""
+    import torch
+
+    target.save_pretrained(folder / "target")
+    tiny_tokenizer(3).save_pretrained(folder / "target")
+    # vLLM reads a target layer's output as the next layer's input, so the last layer cannot be one of them.
+    xpress = tiny_xpress(target, refiner="xpress", block_size=4, jacobi_max_iters=2, seed=5,
+                         target_layer_ids=target_layer_ids)  # fmt: skip
+    xpress.save_pretrained(folder / "xpress")
+    prompt = torch.tensor([CHI2_PROMPT])
+    seqs = torch.tensor([[a, b, c] for a in range(3) for b in range(3) for c in range(3)])
+    with torch.no_grad():
+        logits = target(torch.cat([prompt.expand(len(seqs), -1), seqs], 1)).logits[:, len(CHI2_PROMPT) - 1 : -1]
+    logp = logits.float().log_softmax(-1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1).sum(-1)
+    exact = {tuple(s.tolist()): float(p) for s, p in zip(seqs, logp.exp())}
+    assert max(exact.values()) < 0.6, "the target must spread its mass for the test to have power"
+    return exact
+
+
+def chi2_pvalue(result, exact: dict[tuple[int, ...], float]) -> float:
+    from tests.test_sampling import chi_square_pvalue
+
+    samples = [tuple(s) for s in result["sequences"]]
+    return 0.0 if any(s not in exact for s in samples) else chi_square_pvalue(samples, exact)
 
 
 def test_sampling_through_vllm_is_lossless(vllm_python, tmp_path):
@@ -363,37 +538,31 @@ def test_sampling_through_vllm_is_lossless(vllm_python, tmp_path):
     The same test rejects vLLM's own CPU kernel that xpress_vllm/fixes.py replaces (its power check)."""
     import torch
 
-    from tests.builders import tiny_xpress
-    from tests.test_sampling import chi_square_pvalue
-
     target = tiny_llama(vocab_size=3, seed=11, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
     with torch.no_grad():
         # peaked and position-dependent, as in test_sampling.py; at this width (128) a scale of 6 leaves 1.9 nats over
         # the 27 continuations (60 put 0.9999 on one: a test without power, and drafts never accepted)
         target.lm_head.weight.mul_(6.0)
-    target.save_pretrained(tmp_path / "target")
-    tiny_tokenizer(3).save_pretrained(tmp_path / "target")
-    # vLLM reads a target layer's output as the next layer's input, so the last layer cannot be one of them.
-    xpress = tiny_xpress(target, refiner="xpress", block_size=4, jacobi_max_iters=2, seed=5, target_layer_ids=[0, 1])
-    xpress.save_pretrained(tmp_path / "xpress")
-    prompt = torch.tensor([[0, 2, 1, 1]])
-    seqs = torch.tensor([[a, b, c] for a in range(3) for b in range(3) for c in range(3)])
-    with torch.no_grad():
-        logits = target(torch.cat([prompt.expand(len(seqs), -1), seqs], 1)).logits[:, 3:-1].float()
-    logp = logits.log_softmax(-1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1).sum(-1)
-    exact = {tuple(s.tolist()): float(p) for s, p in zip(seqs, logp.exp())}
-    assert max(exact.values()) < 0.6, "the target must spread its mass for the test to have power"
-
-    def pvalue(result) -> float:
-        samples = [tuple(s) for s in result["sequences"]]
-        return 0.0 if any(s not in exact for s in samples) else chi_square_pvalue(samples, exact)
-
-    fixed = sample_through_vllm(vllm_python, tmp_path / "target", tmp_path / "xpress", tmp_path / "fixed.json")
+    exact = save_lossless_case(target, tmp_path, target_layer_ids=[0, 1])
+    fixed = sample_through_vllm(vllm_python, tmp_path, tmp_path / "fixed.json")
     assert fixed["drafts"] > 0 and 0 < fixed["accepted"] < 3 * fixed["drafts"]  # drafts were verified, some rejected
-    assert pvalue(fixed) > 1e-3
-    broken = sample_through_vllm(vllm_python, tmp_path / "target", tmp_path / "xpress", tmp_path / "broken.json",
-                                 keep_cpu_expand=True)  # fmt: skip
-    assert pvalue(broken) < 1e-3
+    assert chi2_pvalue(fixed, exact) > 1e-3
+    broken = sample_through_vllm(vllm_python, tmp_path, tmp_path / "broken.json", keep_cpu_expand=True)
+    assert chi2_pvalue(broken, exact) < 1e-3
+
+
+def test_sampling_on_a_gemma3_target_is_lossless(vllm_python, tmp_path):
+    """The χ² test above on a tiny Gemma-3 target, served with the plugin's target class: sliding windows of 4 tokens,
+    so the window moves over the prompt's 4 tokens while the 3 sampled ones are drafted, verified and rejected."""
+    import torch
+
+    target = tiny_gemma3(vocab_size=3, sliding_window=4, head_dim=32, seed=11)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.5)  # (tied to the embedding table) 2.4 nats over the 27 continuations
+    exact = save_lossless_case(target, tmp_path, target_layer_ids=[1, 3])
+    result = sample_through_vllm(vllm_python, tmp_path, tmp_path / "gemma.json")
+    assert result["drafts"] > 0 and 0 < result["accepted"] < 3 * result["drafts"]
+    assert chi2_pvalue(result, exact) > 1e-3
 
 
 def free_port() -> int:
@@ -406,7 +575,7 @@ def test_make_serve_answers_an_openai_chat_request(vllm_python, target_dir):
     """`make serve` (here with --enforce-eager for a quick start) and examples/vllm_client.py, on loopback."""
     port = free_port()
     server = subprocess.Popen(["make", "-s", "serve", f"PORT={port}", "SERVE_ARGS=--enforce-eager --host 127.0.0.1"],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=vllm_env(),
                               start_new_session=True)  # fmt: skip
     try:
         done = subprocess.run([sys.executable, str(REPO / "examples" / "vllm_client.py"), "--url",

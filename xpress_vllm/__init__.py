@@ -56,6 +56,9 @@ def register() -> None:
         logger.warning("xpress_vllm: vLLM %s is not a supported release %s; xPress checkpoints will not load",
                        vllm.__version__, SUPPORTED_VLLM)  # fmt: skip
         return
+    # vLLM's Gemma-3 text model gives a dFlash drafter no hidden states; this subclass does (xpress_vllm/gemma3.py).
+    # It replaces vLLM's class for every Gemma-3 text target, and without a drafter it computes what vLLM's computes.
+    ModelRegistry.register_model("Gemma3ForCausalLM", "xpress_vllm.gemma3:Gemma3ForCausalLMWithAux")
     from .fixes import install_cpu_fixes
     from .proposer import install_proposer
 

@@ -5,6 +5,8 @@
   for the block's queries and keys and for the context keys vLLM precomputes.
 * **A learned mask vector** (`mask_token_id=None`): mask slots carry an id no token has (`XPressVLLMConfig`), and
   `embed_input_ids` puts the vector there.
+* **Gemma's embedding scale**: vLLM hands the drafter the target's `embed_tokens` table, and its Gemma-3 applies the
+  √H scale outside that module; `embed_input_ids` applies it as transformers' Gemma-3 embedding does (training).
 * **A draft vocabulary**: the readout takes the draft vocabulary's rows of the target's own lm_head (vLLM shares the
   target's lm_head with a drafter that has none), as `XPressModel.draft_logits` does.
 * **The correction head** (`config.refiner`), applied to every proposal by `draft`, which `proposer` calls in place
@@ -52,10 +54,12 @@ class NoQKNorm(nn.Module):
 
 
 class XPressDFlashModel(DFlashQwen3Model):
-    """vLLM's dFlash drafter layers with an xPress checkpoint's attention (QK-norm or not) and mask vector."""
+    """vLLM's dFlash drafter layers with an xPress checkpoint's attention (QK-norm or not), mask vector and the
+    target's embedding scale."""
 
     def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int = 0, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, start_layer_id=start_layer_id, prefix=prefix)
+        self.embed_scale = target_embedding_scale(vllm_config.model_config.hf_config)
         self.qk_norm = bool(getattr(self.config, "qk_norm", True))
         if not self.qk_norm:
             for layer in self.layers:
@@ -67,11 +71,15 @@ class XPressDFlashModel(DFlashQwen3Model):
         return super()._normalize_context_k(all_k) if self.qk_norm else all_k
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if not self.has_separate_mask_embedding:
-            return super().embed_input_ids(input_ids)
-        is_mask = input_ids == self.mask_token_id
+        """The block's input embeddings as `XPressModel.embed_blocks` makes them: tokens (a mask id included) through
+        the target's embedding, with its scale; the learned mask vector as it is."""
+        is_mask = input_ids == self.mask_token_id if self.has_separate_mask_embedding else None
         # The mask id may lie past the embedding table (a drafter with its own mask vector): embed a real id there.
-        embeds = self.embed_tokens(torch.where(is_mask, torch.zeros_like(input_ids), input_ids))
+        embeds = self.embed_tokens(input_ids if is_mask is None else torch.where(is_mask, 0, input_ids))
+        if self.embed_scale is not None:  # as Gemma3TextScaledWordEmbedding: the scale rounded to the table's dtype
+            embeds = embeds * embeds.new_tensor(self.embed_scale)
+        if is_mask is None:
+            return embeds
         return torch.where(is_mask.unsqueeze(-1), self.mask_embedding.to(embeds.dtype), embeds)
 
 
@@ -89,24 +97,33 @@ def xpress_config(model: str, revision: str | None) -> XPressConfig:
 # Targets whose models scale token embeddings by √H inside the model (transformers: `Gemma3TextScaledWordEmbedding`;
 # vLLM: the `normalizer` its Gemma models apply in `embed_input_ids`, outside the `embed_tokens` module).
 SCALED_EMBEDDING_TARGETS = ("gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text")
+# Those of them xpress_vllm serves: vLLM's Gemma3ForCausalLM, given hidden states by `gemma3.Gemma3ForCausalLMWithAux`.
+SERVED_SCALED_TARGETS = ("gemma3_text",)
+
+
+def target_embedding_scale(hf_config) -> float | None:
+    """The factor a target's model applies to its token embeddings (√hidden_size for Gemma), rounded to float32 as
+    transformers' buffer holds it; None for a target whose embedding table is its input embedding."""
+    if getattr(hf_config.get_text_config(), "model_type", None) not in SCALED_EMBEDDING_TARGETS:
+        return None
+    return float(torch.tensor(hf_config.get_text_config().hidden_size**0.5, dtype=torch.float32))
 
 
 def check_served_target(hf_config) -> None:
     """A ValueError for a target vLLM 0.32's dFlash path cannot serve an xPress drafter with (docs/vllm.md).
 
-    Gemma targets, for two reasons in vLLM's source. Its Gemma models do not implement `SupportsEagle3`, the interface
-    through which a dFlash drafter gets the target's intermediate hidden states: the model runner (the CPU runner
-    too) requests them for every dFlash drafter and raises in `_setup_eagle3_aux_hidden_state_outputs`. And the
-    drafter is handed the target's `embed_tokens` module (`_maybe_share_embeddings`), whose output lacks Gemma's √H
-    scale (applied in the model's `embed_input_ids`): the drafter would embed its blocks unscaled, unlike in training,
-    and draft from other inputs without any error."""
-    kinds = {getattr(hf_config, "model_type", None), getattr(hf_config.get_text_config(), "model_type", None)}
-    if kinds & set(SCALED_EMBEDDING_TARGETS):
+    A Gemma-3 text target (`gemma3_text`: Gemma-3 270M, 1B) is served: `register` gives vLLM's `Gemma3ForCausalLM`
+    the hidden-state outputs a dFlash drafter reads (`gemma3.py`), and the drafter applies Gemma's √H embedding
+    scale itself (`XPressDFlashModel.embed_input_ids`). Other Gemma models are refused: vLLM's Gemma, Gemma 2,
+    Gemma-3n and multimodal Gemma-3 (`Gemma3ForConditionalGeneration`) do not implement `SupportsEagle3`, so the
+    model runner raises for any dFlash drafter, and none of them is given the outputs here."""
+    kinds = {getattr(hf_config, "model_type", None), getattr(hf_config.get_text_config(), "model_type", None)} - {None}
+    if kinds & set(SCALED_EMBEDDING_TARGETS) and not kinds <= set(SERVED_SCALED_TARGETS):
         raise ValueError(
-            f"xpress_vllm cannot serve a {sorted(kinds - {None})} target on vLLM 0.32: its Gemma models give a dFlash "
-            "drafter no intermediate hidden states (no SupportsEagle3), and vLLM would hand the drafter the target's "
-            "embedding table without Gemma's sqrt(hidden_size) scale. Decode with transformers instead: "
-            "xpress.spec_generate(target, input_ids, compile=True) or target.generate(..., assistant_model=xpress)."
+            f"xpress_vllm serves Gemma-3 text models (model_type 'gemma3_text', such as Gemma-3 270M and 1B) but not "
+            f"a {sorted(kinds)} target: vLLM 0.32's model for it gives a dFlash drafter no intermediate hidden states "
+            "(no SupportsEagle3). Decode with transformers instead: xpress.spec_generate(target, input_ids, "
+            "compile=True) or target.generate(..., assistant_model=xpress)."
         )
 
 

@@ -6,6 +6,7 @@ instead: each request's K draft positions are decoded together, every position c
 anchor and drafted prefix (`XPressDFlashForCausalLM.draft`). Any other drafter takes vLLM's own path unchanged.
 """
 
+import gc
 import os
 
 import torch
@@ -30,6 +31,18 @@ class XPressDFlashProposer(DFlashProposer):
     slots vLLM's forward would have written are overwritten by the next step's context before any draft reads them.
     The writes wait on CPU only, where this was measured (docs/vllm.md); elsewhere, or with
     XPRESS_VLLM_EAGER_CONTEXT=1, each step's context goes into the cache in that step, as in vLLM."""
+
+    def load_model(self, target_model) -> None:
+        """vLLM's loading, then a garbage collection. vLLM has just replaced the drafter's own embedding table and
+        lm_head by the target's (`_maybe_share_embeddings`, `_maybe_share_lm_head`). On CPU each dropped module
+        holds a oneDNN matmul handler whose `__del__` calls `.item()` on a tensor, and the modules sit in reference
+        cycles (their weights' loader attributes), so they are freed whenever the collector next runs. Inside
+        torch.compile's tracing, under fake tensors, that `.item()` fails: on Gemma-3-270M with the bundled
+        checkpoint the worker died of a stack overflow while collecting garbage, in vLLM's default compiled mode,
+        in 2 of 2 starts (none of 1 with this collection). Collected here, they are freed before anything is
+        traced; the collection costs once per engine start, for any drafter."""
+        super().load_model(target_model)
+        gc.collect()
 
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                 next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
