@@ -232,6 +232,11 @@ class Records:
             return None
         return record
 
+    def samples(self, key: dict) -> list[list[float]] | None:
+        """The kept rounds of `key`'s jobs (one list per job), or None: no usable record, or `XPRESS_REMEASURE=1`."""
+        record = None if remeasure_requested() else self.read(key)
+        return record["samples"] if record is not None and len(record["samples"]) == len(key["jobs"]) else None
+
     def write(self, key: dict, samples: dict[str, list[float]], seconds: float) -> Path | None:
         """Write the record atomically (another process reads the old or the new one, never half); None where the
         cache folder cannot be written (the choice then lives in this process only)."""
@@ -283,9 +288,9 @@ def recorded_rounds(kind: str, key: dict, measure: Callable[[], list[list[float]
     less than `MIN_CPU_SHARE` of the CPU time its threads asked for (then used in this process only).
     `XPRESS_REMEASURE=1` skips the record."""
     records = Records(kind)
-    record = None if remeasure_requested() else records.read(key)
-    if record is not None and len(record["samples"]) == len(key["jobs"]):
-        return record["samples"]
+    kept = records.samples(key)
+    if kept is not None:
+        return kept
     samples, seconds, share = _measured(measure)
     if key["machine"]["device"] != "cpu" or share >= MIN_CPU_SHARE:
         records.write(key, samples, seconds)
@@ -305,10 +310,9 @@ def timed_choice(kind: str, key: dict, measure: Callable[[int], list[list[float]
     than `MIN_CPU_SHARE` of the CPU time its threads asked for, the simplest candidate, not recorded (module
     docstring). `remeasure` (or `XPRESS_REMEASURE=1`) skips the record."""
     records = Records(kind)
-    record = None if remeasure or remeasure_requested() else records.read(key)
-    if record is not None and len(record["samples"]) == len(key["jobs"]):
-        samples = record["samples"]
-        return Timed(samples, decide(samples), 0.0, str(records.path(key)))
+    kept = None if remeasure else records.samples(key)
+    if kept is not None:
+        return Timed(kept, decide(kept), 0.0, str(records.path(key)))
     samples, seconds, share = _measured(lambda: measure_rounds(measure))
     comparison = decide(samples)
     why_not = None
