@@ -7,8 +7,9 @@ verifying 2 drafts 32.3 ms and 3 drafts 27.6 ms), so a choice made from one timi
 differences of a few percent (1, 2 or 3 drafts; a 4-node tree or linear blocks). Here:
 
 * **Repeats and paired rounds** (`measure_rounds`): every candidate's jobs are timed once per round, in turn, for at
-  least `MIN_ROUNDS` rounds and more while `BUDGET_SECONDS` lasts (at most `MAX_ROUNDS`). A candidate is compared
-  with another round by round (`compare`), so a slow spell that hits one round hits both.
+  least `MIN_ROUNDS` rounds and more while `BUDGET_SECONDS` lasts (at most `MAX_ROUNDS`), and once more while
+  `SETTLE_BUDGET_SECONDS` lasts where those rounds left the choice to their noise (`Comparison.settled`). A candidate
+  is compared with another round by round (`compare`), so a slow spell that hits one round hits both.
 * **A noise check that prefers the simpler setting** (`compare`): candidates come in order of simplicity (fewer drafts
   first; linear blocks before trees). The fastest is the one with the best median rate; the chosen one is the first
   candidate that is not slower than it by more than what the rounds can resolve: the median of its paired slowdowns
@@ -63,6 +64,12 @@ MIN_CPU_SHARE = 0.8
 # choice is the simplest setting and it is not recorded.
 MIN_ROUNDS, MAX_ROUNDS = 3, 15
 BUDGET_SECONDS = 8.0
+# Rounds that leave a choice to their noise (a simpler candidate kept only because its slowdown, beyond MIN_ADVANTAGE,
+# was within the rounds' error: `Comparison.settled`) get one more call, for up to SETTLE_BUDGET_SECONDS (at most
+# SETTLE_ROUNDS more rounds). Gemma-3-270M's compiled caps on two cores: 2.3 s a round (ten candidate widths, each
+# with its own packs), 5 rounds in the budget, and 3 drafts kept within ±12% of 5 drafts' 10% lead, which decoding
+# then measured at 15% (26.8 against 23.4 tokens/s).
+SETTLE_ROUNDS, SETTLE_BUDGET_SECONDS = 15, 16.0
 RECORD_FORMAT = 1
 
 
@@ -101,6 +108,12 @@ class Comparison:
     chosen: int
 
     @property
+    def settled(self) -> bool:
+        """Whether the rounds decided the choice: it is the fastest, or within `MIN_ADVANTAGE` of it. Not settled: a
+        simpler candidate whose slowdown, beyond `MIN_ADVANTAGE`, the rounds could not resolve (more rounds might)."""
+        return self.chosen == self.fastest or self.slowdowns[self.chosen] <= MIN_ADVANTAGE
+
+    @property
     def noise(self) -> float:
         """The worst resolution: the largest slowdown these rounds could not tell from none."""
         return max(self.resolutions)
@@ -124,7 +137,8 @@ def _median_standard_error(values: Sequence[float]) -> float:
 
 # Student's t, two-sided 95%, by degrees of freedom: few rounds give a rough spread, which the bound widens for.
 _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20, 12: 2.18,
-        13: 2.16, 14: 2.14}  # fmt: skip
+        13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11, 18: 2.10, 19: 2.09, 20: 2.09, 21: 2.08, 22: 2.07, 23: 2.07,
+        24: 2.06, 25: 2.06, 26: 2.06, 27: 2.05, 28: 2.05, 29: 2.05}  # fmt: skip
 
 
 def _t95(n: int) -> float:
@@ -149,16 +163,26 @@ def compare(rates: Sequence[Sequence[float]]) -> Comparison:
     return Comparison(medians=medians, fastest=fastest, slowdowns=slowdowns, resolutions=resolutions, chosen=chosen)
 
 
-def measure_rounds(measure: Callable[[int], list[list[float]]], *, budget: float = BUDGET_SECONDS) -> list[list[float]]:
+def measure_rounds(measure: Callable[[int], list[list[float]]], *, budget: float = BUDGET_SECONDS,
+                   settled: Callable[[list[list[float]]], bool] | None = None) -> list[list[float]]:  # fmt: skip
     """Per job, its seconds in each round: `measure(rounds)` times every job once per round, `rounds` rounds (after its
     own warm-up); called for `MIN_ROUNDS`, then once more for as many rounds as `budget` seconds allow at the pace of
-    the first call (at most `MAX_ROUNDS` in all). So a first measurement costs the first call plus about `budget`."""
+    the first call's rounds (at most `MAX_ROUNDS` in all). So a first measurement costs the first call plus about
+    `budget`. Where `settled(samples)` is False (the rounds left the choice to their noise), once more for as many
+    rounds as `SETTLE_BUDGET_SECONDS` allow (at most `SETTLE_ROUNDS`)."""
     start = time.perf_counter()
     samples = measure(MIN_ROUNDS)
-    per_round = (time.perf_counter() - start) / (MIN_ROUNDS + 1)  # (its warm-up round counted)
-    more = min(MAX_ROUNDS - MIN_ROUNDS, int(budget / max(per_round, 1e-9)) - 1)
+    # A round's pace: the call's wall time per round (its warm-up counted as one), or the rounds' own timed seconds
+    # where less: a warm-up that first prepares layouts (Gemma-3's compiled packs, one per width) costs many rounds.
+    timed = statistics.median(sum(round_) for round_ in zip(*samples))
+    per_round = max(min((time.perf_counter() - start) / (MIN_ROUNDS + 1), timed), 1e-9)
+    more = min(MAX_ROUNDS - MIN_ROUNDS, int(budget / per_round) - 1)
     if more > 0:
         samples = [old + new for old, new in zip(samples, measure(more))]
+    if settled is not None and not settled(samples):
+        more = min(SETTLE_ROUNDS, int(SETTLE_BUDGET_SECONDS / per_round) - 1)
+        if more > 0:
+            samples = [old + new for old, new in zip(samples, measure(more))]
     return samples
 
 
@@ -313,7 +337,7 @@ def timed_choice(kind: str, key: dict, measure: Callable[[int], list[list[float]
     kept = None if remeasure else records.samples(key)
     if kept is not None:
         return Timed(kept, decide(kept), 0.0, str(records.path(key)))
-    samples, seconds, share = _measured(lambda: measure_rounds(measure))
+    samples, seconds, share = _measured(lambda: measure_rounds(measure, settled=lambda rounds: decide(rounds).settled))
     comparison = decide(samples)
     why_not = None
     if key["machine"]["device"] == "cpu" and share < MIN_CPU_SHARE:
@@ -332,7 +356,7 @@ def timed_choice(kind: str, key: dict, measure: Callable[[int], list[list[float]
 
 __all__ = [
     "BUDGET_SECONDS", "CACHE_ENV_VAR", "Comparison", "MIN_ADVANTAGE", "MIN_CPU_SHARE", "RECORD_NOISE",
-    "REMEASURE_ENV_VAR", "Records",
+    "REMEASURE_ENV_VAR", "Records", "SETTLE_BUDGET_SECONDS", "SETTLE_ROUNDS",
     "Timed", "cache_dir", "check_remeasure", "compare", "machine", "measure_rounds", "models_digest",
     "recorded_rounds", "remeasure_requested", "tensors_digest",
     "timed_choice",

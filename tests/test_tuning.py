@@ -127,6 +127,55 @@ def test_measurement_is_bounded_by_its_budget(monkeypatch):
     clock[0] = 0.0
     measure_rounds(lambda rounds: calls.append(rounds) or [[1.0] * rounds], budget=8.0)  # an instant machine
     assert calls == [tuning.MIN_ROUNDS, tuning.MAX_ROUNDS - tuning.MIN_ROUNDS]
+    calls.clear()
+
+    def preparing(rounds):  # the first call's warm-up prepares layouts for 30 s; a round of its jobs takes 1 s
+        clock[0] += (30.0 if not calls else 1.0) + 1.0 * rounds
+        calls.append(rounds)
+        return [[0.25] * rounds, [0.75] * rounds]
+
+    measure_rounds(preparing, budget=8.0)
+    assert calls == [tuning.MIN_ROUNDS, 7]  # paced by the rounds, not by the preparation
+
+
+def test_rounds_that_leave_the_choice_to_noise_get_more(monkeypatch):
+    """On a fake clock (2 s a round): candidate 1 is 10% faster, but the budget's rounds are too noisy to resolve it,
+    so the simpler candidate would be kept on noise (`Comparison.settled` False); one more call within
+    `SETTLE_BUDGET_SECONDS` resolves it. Rounds that settle the choice get no extra call."""
+    clock = [0.0]
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock[0])
+    swings = [1.3, 0.8, 1.25, 0.85, 1.35, 0.9]
+
+    def stand_in(noisy_calls):
+        calls = []
+
+        def measure(rounds):  # seconds per round of two jobs: candidate 0's and candidate 1's
+            calls.append(rounds)
+            clock[0] += 2.0 * (rounds + 1)
+            noisy = len(calls) <= noisy_calls
+            second = [1 / (1.1 * (swings[(len(calls) + r) % 6] if noisy else 1.0)) for r in range(rounds)]
+            return [[1.0] * rounds, second]
+
+        return measure, calls
+
+    def decide(samples):
+        return compare([[1 / t for t in times] for times in samples])
+
+    budgeted, calls = stand_in(noisy_calls=2)
+    samples = measure_rounds(budgeted)
+    assert calls == [tuning.MIN_ROUNDS, 3] and not decide(samples).settled and decide(samples).chosen == 0
+    measure, calls = stand_in(noisy_calls=2)
+    samples = measure_rounds(measure, settled=lambda rounds: decide(rounds).settled)
+    extra = min(tuning.SETTLE_ROUNDS, int(tuning.SETTLE_BUDGET_SECONDS / 2.0) - 1)
+    assert calls == [tuning.MIN_ROUNDS, 3, extra] and len(samples[0]) == tuning.MIN_ROUNDS + 3 + extra
+    assert decide(samples).settled and decide(samples).chosen == 1
+    steady, calls = stand_in(noisy_calls=0)  # settled after the budget: no more rounds
+    assert decide(measure_rounds(steady, settled=lambda rounds: decide(rounds).settled)).chosen == 1
+    assert calls == [tuning.MIN_ROUNDS, 3]
+    key = {"machine": tuning.machine(torch.device("cpu")), "jobs": [["candidate", 0], ["candidate", 1]]}
+    measure, calls = stand_in(noisy_calls=2)  # what a choice does (`timed_choice`), recorded once settled
+    timed = tuning.timed_choice("settle-test", key, measure, decide)
+    assert len(calls) == 3 and timed.comparison.chosen == 1 and timed.record is not None
 
 
 # --- records ------------------------------------------------------------------------------------------------------

@@ -161,8 +161,9 @@ def choose_draft_cap(xpress, target, *, acceptance: Sequence[float] | None = Non
     `spec_generate(compile=True, linear_layout=...)`'s graphs will use, else in the eager loops' (the loops' own
     `layout_policy.decoder_policy`). The timed rounds are kept in this machine's record (`tuning.Records`, under
     `$XPRESS_CACHE/choices/`), so only the first process times them: the layouts' decisions, a warm-up and
-    `tuning.MIN_ROUNDS` rounds, then more for up to `tuning.BUDGET_SECONDS` (SmolLM2 fp32 on two cores at load 5-7:
-    27-37 s eager, 83-101 s compiled; not measured idle); a later process reads the record (0.05 s). A measurement
+    `tuning.MIN_ROUNDS` rounds, then more for up to `tuning.BUDGET_SECONDS`, and for up to
+    `tuning.SETTLE_BUDGET_SECONDS` more where those left the choice to their noise (SmolLM2 fp32 on two cores at load
+    5-7: 27-37 s eager, 83-101 s compiled, before the settling rounds; not measured idle); a later process reads the record (0.05 s). A measurement
     that is too noisy, or made while other jobs held the cores (then: the fewest drafts), is used but not kept. Each
     (models, setting, thread count) is resolved once per process; `remeasure=True` (or `XPRESS_REMEASURE=1`) times
     again and replaces the record.
