@@ -456,7 +456,8 @@ def test_a_gemma3_target_serves_greedy_identical_with_transformers_drafts(vllm_p
     every proposal the drafter made in vLLM is the one transformers' Gemma-3 and `XPressModel` make after the same
     tokens: the hidden states vLLM hands the drafter are transformers' `output_hidden_states` and the block is
     embedded as in training. Measured when it was written: 64 of 64 proposals equal; without the scale 15; with each
-    layer's output missing its residual stream 0."""
+    layer's output missing its residual stream 0. The drafter's context is written in every step (its cache shares
+    bytes with sliding-window layers', `context.context_can_wait`)."""
     from transformers import AutoModelForCausalLM
 
     from modeling_xpress import XPressModel
@@ -473,6 +474,9 @@ def test_a_gemma3_target_serves_greedy_identical_with_transformers_drafts(vllm_p
     assert done.returncode == 0, done.stdout[-4000:]
     served = json.loads((tmp_path / "drafts.json").read_text())
     assert served["classes"] == {"target": "Gemma3ForCausalLMWithAux", "drafter": "XPressDFlashForCausalLM"}
+    # Sliding-window and full layers: KV-cache groups whose tensors vLLM overlays, so no context write may wait
+    # (`context.context_can_wait`; a kept write landed in the target's cache on the real pair)
+    assert served["context_waits"] is False
     assert [run["tokens"] for run in served["alone"]] == plain["T=0 batch=1"]["outputs"][0]
     assert served["together"] == plain["T=0 batch=4"]["outputs"][0]
     assert all(len(tokens) == 16 for tokens in served["together"]) and served["drafts"] > 0

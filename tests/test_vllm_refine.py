@@ -172,6 +172,24 @@ def test_deferred_context_leaves_the_cache_as_eager_writes():
     assert pending.num_tokens == 0 and pending.take() is None
 
 
+def test_context_waits_only_where_no_other_layer_overlays_the_drafters_cache(monkeypatch):
+    """xpress_vllm.context.context_can_wait: a hybrid target's KV-cache groups (Gemma-3: sliding-window and full
+    attention) overlay each other's tensors in vLLM, block IDs owned by one group at a time, so a write kept past its
+    block's release would land in another layer's cache: writes wait only with one group, on CPU, unless
+    XPRESS_VLLM_EAGER_CONTEXT=1."""
+    from types import SimpleNamespace
+
+    from xpress_vllm.context import context_can_wait
+
+    monkeypatch.delenv("XPRESS_VLLM_EAGER_CONTEXT", raising=False)
+    one, hybrid = SimpleNamespace(kv_cache_groups=["all layers"]), SimpleNamespace(kv_cache_groups=["sliding", "full"])
+    assert context_can_wait(one, torch.device("cpu"))
+    assert not context_can_wait(hybrid, torch.device("cpu"))
+    assert not context_can_wait(one, torch.device("cuda"))  # (a device object only: nothing runs there)
+    monkeypatch.setenv("XPRESS_VLLM_EAGER_CONTEXT", "1")
+    assert not context_can_wait(one, torch.device("cpu"))
+
+
 def test_steps_without_drafts_sample_plainly():
     """xpress_vllm.fixes: a step without drafts (and without logprobs) gets its tokens from vLLM's sampler called as
     the rejection sampler calls it for bonus tokens, on the logits themselves; a step with drafts, or one that asks

@@ -38,6 +38,11 @@ def served_classes(worker) -> dict[str, str]:
     return {"target": type(runner.model).__name__, "drafter": type(runner.drafter.model).__name__}
 
 
+def context_waits(worker) -> bool | None:
+    """Whether the proposer keeps context writes of steps without drafts for later (`context.context_can_wait`)."""
+    return getattr(worker.model_runner.drafter, "_context_waits", None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("target")
@@ -65,7 +70,8 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"alone": alone, "together": together, "drafts": counters.get("vllm:spec_decode_num_drafts"),
                    "accepted": counters.get("vllm:spec_decode_num_accepted_tokens"),
-                   "classes": llm.collective_rpc(served_classes)[0]}, f)  # fmt: skip
+                   "classes": llm.collective_rpc(served_classes)[0],
+                   "context_waits": llm.collective_rpc(context_waits)[0]}, f)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,12 +7,11 @@ anchor and drafted prefix (`XPressDFlashForCausalLM.draft`). Any other drafter t
 """
 
 import gc
-import os
 
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from .context import DeferredContext
+from .context import DeferredContext, context_can_wait
 from .model import XPressDFlashForCausalLM
 from .refine import draft_noise_seed
 
@@ -29,8 +28,13 @@ class XPressDFlashProposer(DFlashProposer):
     runs the drafter's query forward and throws its result away. The kept writes go into the cache, in one batch,
     before a step that drafts touches their blocks, or once `max_num_batched_tokens` of them are pending. The query
     slots vLLM's forward would have written are overwritten by the next step's context before any draft reads them.
-    The writes wait on CPU only, where this was measured (docs/vllm.md); elsewhere, or with
+    The writes wait on CPU only, where this was measured (docs/vllm.md), and only where the drafter's cache is not
+    overlaid by other layers' (`context.context_can_wait`: one KV-cache group); elsewhere, or with
     XPRESS_VLLM_EAGER_CONTEXT=1, each step's context goes into the cache in that step, as in vLLM."""
+
+    def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
+        super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+        self._context_waits = context_can_wait(kv_cache_config, self.device)
 
     def load_model(self, target_model) -> None:
         """vLLM's loading, then a garbage collection. vLLM has just replaced the drafter's own embedding table and
@@ -88,7 +92,7 @@ class XPressDFlashProposer(DFlashProposer):
         return self._pending_context
 
     def _defers_context(self) -> bool:
-        return self.device.type == "cpu" and os.environ.get("XPRESS_VLLM_EAGER_CONTEXT") != "1"
+        return getattr(self, "_context_waits", False)  # (set when vLLM hands the proposer its KV-cache layout)
 
     def _write_context(self, writes) -> None:
         """vLLM's context projection (fc over the target's hidden states, then each layer's K/V) into the cache."""
