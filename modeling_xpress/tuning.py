@@ -176,13 +176,14 @@ def measure_rounds(measure: Callable[[int], list[list[float]]], *, budget: float
     # where less: a warm-up that first prepares layouts (Gemma-3's compiled packs, one per width) costs many rounds.
     timed = statistics.median(sum(round_) for round_ in zip(*samples))
     per_round = max(min((time.perf_counter() - start) / (MIN_ROUNDS + 1), timed), 1e-9)
-    more = min(MAX_ROUNDS - MIN_ROUNDS, int(budget / per_round) - 1)
-    if more > 0:
-        samples = [old + new for old, new in zip(samples, measure(more))]
+
+    def extended(seconds: float, most: int) -> list[list[float]]:  # the rounds so far, and as many more as fit
+        more = min(most, int(seconds / per_round) - 1)
+        return [old + new for old, new in zip(samples, measure(more))] if more > 0 else samples
+
+    samples = extended(budget, MAX_ROUNDS - MIN_ROUNDS)
     if settled is not None and not settled(samples):
-        more = min(SETTLE_ROUNDS, int(SETTLE_BUDGET_SECONDS / per_round) - 1)
-        if more > 0:
-            samples = [old + new for old, new in zip(samples, measure(more))]
+        samples = extended(SETTLE_BUDGET_SECONDS, SETTLE_ROUNDS)
     return samples
 
 

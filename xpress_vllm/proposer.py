@@ -77,7 +77,7 @@ class XPressDFlashProposer(DFlashProposer):
         )
         n = self._dflash_num_context
         writes = (target_hidden_states[:n], self._context_positions_buffer[:n], self._context_slot_mapping_buffer[:n])
-        if self._defers_context():
+        if getattr(self, "_context_waits", False):  # (set when vLLM hands the proposer its KV-cache layout)
             pending = self._deferred_context()
             pending.add(*writes)
             if pending.full:
@@ -90,9 +90,6 @@ class XPressDFlashProposer(DFlashProposer):
         if getattr(self, "_pending_context", None) is None:
             self._pending_context = DeferredContext(self.block_size, self.max_num_tokens)
         return self._pending_context
-
-    def _defers_context(self) -> bool:
-        return getattr(self, "_context_waits", False)  # (set when vLLM hands the proposer its KV-cache layout)
 
     def _write_context(self, writes) -> None:
         """vLLM's context projection (fc over the target's hidden states, then each layer's K/V) into the cache."""
