@@ -143,8 +143,8 @@ def main() -> None:
 
     stamp = datetime.now(timezone.utc)
     name = args.name or f"compiled-cpu-{stamp:%Y%m%d-%H%M}-{args.dtype}-t{torch.get_num_threads()}"
-    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     settings = {"target": pair.target, "checkpoint": args.checkpoint, "prompts": args.prompts,
                 "max_new_tokens": args.max_new_tokens,
                 "dtype": args.dtype, "threads": torch.get_num_threads(), "max_cache_len": max_cache_len,

@@ -12,17 +12,18 @@ from .policy import LinearPolicy, check_linear_layout, linear_weights
 
 
 def linear_policy(linear_layout: str, weights: dict[str, list[torch.Tensor]], *, packable=(), reorderable=(),
-                  tuned=None, device: torch.device | None = None) -> LinearPolicy:  # fmt: skip
+                  approximate=(), tuned=None, device: torch.device | None = None) -> LinearPolicy:  # fmt: skip
     """The policy for these weight groups on their device: `cpu_layouts.CpuLinearPolicy` on a CPU (or wherever a
     layout other than input-major is forced), which tunes the groups in `tuned` (default: all), may pack those in
-    `packable` (MKL, per row count) and reorder those in `reorderable` (oneDNN, for every row count); `LinearPolicy`
-    (input-major) on a GPU with "auto" or "input_major"."""
+    `packable` (MKL, per row count), reorder those in `reorderable` (oneDNN, for every row count) and compute those in
+    `approximate` in bfloat16; `LinearPolicy` (input-major) on a GPU with "auto" or "input_major"."""
     check_linear_layout(linear_layout)
     device = device or next(iter(weights.values()))[0].device
     if device.type == "cpu" or linear_layout in ("weight_major", "packed"):
         from .cpu_layouts import CpuLinearPolicy  # hardware tuning: never imported on a GPU running "auto"
 
-        return CpuLinearPolicy(linear_layout, weights, packable=packable, reorderable=reorderable, tuned=tuned)
+        return CpuLinearPolicy(linear_layout, weights, packable=packable, reorderable=reorderable,
+                               approximate=approximate, tuned=tuned)  # fmt: skip
     return LinearPolicy(linear_layout, weights)
 
 
@@ -31,7 +32,8 @@ def decoder_policy(linear_layout: str, target, xpress, *, compiled: bool, readou
     "drafter" (the drafter's) and "head" (the draft readout's one matrix: the draft vocabulary's lm_head rows,
     `readout`, or the whole lm_head). The compiled graphs tune every group and may pack any; the eager loops tune the
     verification (its width changes every step and an MKL pack serves one row count: oneDNN-reordered weights, which
-    serve every count, or weight-major) and the drafter (B rows every block: packs pay), and read out input-major."""
+    serve every count, or weight-major) and the drafter (B rows every block: packs pay), and read out input-major.
+    Only the drafter's products may run in bfloat16 (where faster): they choose drafts, the verification decides."""
     lm_head = target.get_output_embeddings()
     readout = xpress.draft_readout(lm_head) if readout is None else readout
     weights = {"verify": linear_weights(target), "drafter": linear_weights(xpress),
@@ -41,9 +43,9 @@ def decoder_policy(linear_layout: str, target, xpress, *, compiled: bool, readou
             from .cpu_layouts import check_packed_layout
 
             check_packed_layout(weights["verify"])
-        return linear_policy(linear_layout, weights, packable=weights)
+        return linear_policy(linear_layout, weights, packable=weights, approximate=("drafter",))
     return linear_policy(linear_layout, weights, packable=("drafter",), reorderable=("verify",),
-                         tuned=("verify", "drafter"))  # fmt: skip
+                         approximate=("drafter",), tuned=("verify", "drafter"))  # fmt: skip
 
 
 __all__ = ["decoder_policy", "linear_policy"]

@@ -146,7 +146,7 @@ def test_a_record_names_the_layouts_its_loop_could_choose():
     xpress = tiny_xpress(target, block_size=8)
     policy = decoder_policy("auto", target, xpress, compiled=False)
     key = _record_key(xpress, target, False, policy, [("verify", 4)])
-    assert key["layout_kinds"] == ["input_major", "weight_major", "packed", "onednn"]
+    assert key["layout_kinds"] == ["input_major", "weight_major", "packed", "onednn", "bfloat16"]
     assert key["linear_layout"] == "auto"
 
 

@@ -130,10 +130,12 @@ def weight_major_layout(linear_layout: str, weights, rows: int) -> bool:
 # counter moved), and a (weight, rows) that was never packed goes through `F.linear`.
 
 # (data_ptr, rows) -> (shape, stride, version, pack); rows `ANY_ROWS` for a oneDNN reorder, which serves every row
-# count. The entry holds no reference to its weight: a finalizer drops it when the weight is freed, so a deleted model
-# takes its packs with it (and a new tensor at the same address never finds a stale pack).
+# count, `BF16_ROWS` for a oneDNN reorder of the weight rounded to bfloat16 (`Bfloat16Linear`). The entry holds no
+# reference to its weight: a finalizer drops it when the weight is freed, so a deleted model takes its packs with it
+# (and a new tensor at the same address never finds a stale pack).
 _PACKS: dict[tuple[int, int], tuple[torch.Size, tuple, int, torch.Tensor]] = {}
 ANY_ROWS = 0
+BF16_ROWS = -1
 _PACKING_WORKS: list[bool] = []
 
 
@@ -168,6 +170,8 @@ def _version(weight: torch.Tensor) -> int:
 
 
 def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    if rows == BF16_ROWS:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), ONEDNN_ROWS_HINT)
     if rows == ANY_ROWS:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT)
     return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
@@ -302,6 +306,89 @@ class OnednnLinear(PackedLinear):
         return onednn_linear(x, weight)
 
 
+# --- bfloat16 products for the drafter (CPU) -------------------------------------------------------------------------
+# The drafter's products decide only which tokens are proposed, never which are kept (the target verifies in its own
+# precision), so they may be computed in bfloat16 where that is faster: x and W rounded to bfloat16, W reordered once
+# by oneDNN (`BF16_ROWS`), the product accumulated in float32, rounded to bfloat16 and returned in x's dtype. On a CPU with native bfloat16
+# products (AVX512-BF16, AMX) this halves the weights' bytes and runs the faster kernels; elsewhere the timing says
+# no. Measured on a 2-core AMD EPYC (AVX-512 with BF16), Gemma-3-270M's fp32 compiled loop at 3 drafts per block, the
+# whole drafter in bfloat16: drafter 15.7 -> 10.1 ms a block, 100.5 -> 89.8 ms in all, the same τ. Only a group the
+# policy may approximate (`CpuLinearPolicy(approximate=...)`: the drafter) and only with "auto"; and only where the
+# group's float32 products take at least `BFLOAT16_MIN_SECONDS`, so a few microseconds never trade a seeded call's
+# draws (sampled drafts follow the drafter's rounding) for nothing.
+BFLOAT16_MIN_SECONDS = 1e-3
+_BF16_WORKS: list[bool] = []
+
+
+def bfloat16_products_available() -> bool:
+    """Whether oneDNN computes a bfloat16-reordered `F.linear` here (checked once per process on a small weight,
+    against the product of the bfloat16-rounded operands)."""
+    if not _BF16_WORKS:
+        works = onednn_reorder_available()
+        if works:
+            try:
+                generator = torch.Generator().manual_seed(0)
+                weight = torch.randn(72, 40, generator=generator)
+                pack = _pack(weight, BF16_ROWS)
+                for rows in (1, 3, 16):
+                    x = torch.randn(rows, 40, generator=generator)
+                    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), pack, None, "none", [], "")
+                    rounded = F.linear(x.to(torch.bfloat16).float(), weight.to(torch.bfloat16).float())
+                    works &= torch.allclose(out.float(), rounded, rtol=2e-2, atol=2e-2)
+            except RuntimeError:
+                works = False
+        _BF16_WORKS.append(works)
+    return _BF16_WORKS[0]
+
+
+def _bfloat16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (rows, in) · Wᵀ in bfloat16 with W's bfloat16 reorder (a bfloat16 result), returned in x's dtype; `F.linear`
+    where there is none."""
+    pack = _current_pack(weight, BF16_ROWS)
+    if pack is None:
+        return F.linear(x, weight)
+    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16).contiguous(), pack, None, "none", [], "")
+    return out.to(x.dtype)
+
+
+_LIBRARY.define("bfloat16_linear(Tensor x, Tensor weight) -> Tensor")
+_LIBRARY.impl("bfloat16_linear", _bfloat16_linear, "CPU")
+torch.library.register_fake(f"{_OP_NAMESPACE}::bfloat16_linear",
+                            lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]), lib=_LIBRARY)  # fmt: skip
+bfloat16_linear = getattr(torch.ops, _OP_NAMESPACE).bfloat16_linear.default
+
+
+class Bfloat16Linear(PackedLinear):
+    """`F.linear` over a few rows of x with an fp32 CPU weight computed in bfloat16 with W's bfloat16 reorder
+    (`pack_weights(..., BF16_ROWS)`; a weight without one goes through `F.linear`)."""
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return bfloat16_linear(x, weight)
+
+
+_BF16_TIMINGS: dict[tuple, tuple[float, float]] = {}
+
+
+@torch.no_grad()
+def bfloat16_pays(weights, rows: int, against: str, repeats: int = 3) -> bool:
+    """Whether these weights' products over `rows` rows are faster in bfloat16 (`Bfloat16Linear`) than in the float32
+    layout `against`, by `WEIGHT_MAJOR_MARGIN`, and the float32 products take at least `BFLOAT16_MIN_SECONDS`. Timed as
+    a forward streams them, once per machine (`tuning.recorded_rounds`, as `_prepacked_pays`). False where oneDNN's
+    bfloat16 products are unavailable or a weight is not float32 on a CPU."""
+    if not bfloat16_products_available() or not all(_packable(weight) for weight in weights):
+        return False
+    key = (against, tuple((tuple(weight.shape), weight.dtype) for weight in weights), rows, torch.get_num_threads())
+    if key not in _BF16_TIMINGS:
+        layouts = ("bfloat16", against)
+        record_key = {"machine": machine(weights[0].device), "weights": tensors_digest(weights), "rows": rows,
+                      "repeats": repeats, "jobs": list(layouts)}  # fmt: skip
+        jobs = [(weights, rows, layout) for layout in layouts]
+        samples = recorded_rounds("layout", record_key, lambda: products_samples(jobs, rounds=repeats))
+        _BF16_TIMINGS[key] = tuple(statistics.median(times) for times in samples)
+    bfloat16, float32 = _BF16_TIMINGS[key]
+    return float32 >= BFLOAT16_MIN_SECONDS and bfloat16 < WEIGHT_MAJOR_MARGIN * float32
+
+
 _PREPACKED_TIMINGS: dict[tuple, tuple[float, float, float]] = {}
 
 
@@ -372,6 +459,8 @@ def linear_mode(kind: str, max_rows: int):
         return PackedLinear(max_rows)
     if kind == "onednn":
         return OnednnLinear(max_rows)
+    if kind == "bfloat16":
+        return Bfloat16Linear(max_rows)
     if kind == "weight_major":
         return WeightMajorLinear(max_rows)
     return contextlib.nullcontext()
@@ -396,20 +485,20 @@ def check_packed_layout(weights) -> None:
 def products_samples(jobs: Sequence[tuple[Sequence[torch.Tensor], int, str]], *, rounds: int = 5) -> list[list[float]]:
     """Seconds of each job (weights, rows, layout) in each of `rounds` rounds: one pass of `rows` input rows through
     every weight in turn, as a forward multiplies them (each weight once, so they stream from memory), in that layout:
-    `F.linear(x, W)`, `(W @ x.T).T` ("weight_major"), W's MKL pack for that many rows ("packed") or W's oneDNN reorder
-    ("onednn"). The unpacked jobs are timed in turn, round by round (`policy.time_rounds`), so a drift in the machine's
+    `F.linear(x, W)`, `(W @ x.T).T` ("weight_major"), W's MKL pack for that many rows ("packed"), W's oneDNN reorder
+    ("onednn") or its bfloat16 reorder ("bfloat16"). The unpacked jobs are timed in turn, round by round (`policy.time_rounds`), so a drift in the machine's
     speed hits them alike; each packed job is timed alone, its rounds between packing its weights and dropping the
     packs it made, so at most one extra copy of the weights is held."""
     product = {"input_major": F.linear, "weight_major": lambda x, w: torch.mm(w, x.t()), "packed": packed_linear,
-               "onednn": onednn_linear}  # fmt: skip
+               "onednn": onednn_linear, "bfloat16": bfloat16_linear}  # fmt: skip
     sweeps = product_sweeps([(weights, rows, product[kind]) for weights, rows, kind in jobs])
     device = jobs[0][0][0].device
-    prepacked = ("packed", "onednn")
+    prepacked = {"packed": None, "onednn": ANY_ROWS, "bfloat16": BF16_ROWS}
     in_turn = [i for i, job in enumerate(jobs) if job[2] not in prepacked]
     samples = dict(zip(in_turn, time_rounds([sweeps[i] for i in in_turn], device, rounds)))
     for i, (weights, rows, kind) in enumerate(jobs):
         if kind in prepacked:
-            pack_rows = rows if kind == "packed" else ANY_ROWS
+            pack_rows = rows if kind == "packed" else prepacked[kind]
             new = pack_weights(weights, pack_rows)
             samples[i] = time_rounds([sweeps[i]], device, rounds)[0]
             release_packed_weights(new, pack_rows)
@@ -426,15 +515,18 @@ class CpuLinearPolicy(LinearPolicy):
     a group in `packable`, float32 weights) or oneDNN-reordered (for a group in `reorderable`), else weight-major, else
     input-major (`linear_layout_kind`, `reordered_layout_kind`, or `weight_major_layout` for a group that may do
     neither); a group not in `tuned` runs input-major. `linear_layout` other than "auto" forces a layout ("packed": the
-    group's prepacked kind). Packs are made by `prepare`, for the row counts a decoder runs (a reorder once, for all),
-    and again if they were released or a weight changed in place."""
+    group's prepacked kind). A group in `approximate`, whose products decide no output (the drafter's), runs in
+    bfloat16 instead where that is faster than its float32 layout (`bfloat16_pays`; "auto" only). Packs are made by
+    `prepare`, for the row counts a decoder runs (a reorder once, for all), and again if they were released or a weight
+    changed in place."""
 
-    KINDS = ("input_major", "weight_major", "packed", "onednn")
+    KINDS = ("input_major", "weight_major", "packed", "onednn", "bfloat16")
 
-    def __init__(self, linear_layout: str, weights: dict, *, packable=(), reorderable=(), tuned=None):
+    def __init__(self, linear_layout: str, weights: dict, *, packable=(), reorderable=(), approximate=(), tuned=None):
         super().__init__(linear_layout, weights)
         self.packable = frozenset(packable)
         self.reorderable = frozenset(reorderable)
+        self.approximate = frozenset(approximate)
         self.tuned = frozenset(weights if tuned is None else tuned)
         self.packed_rows: set[tuple[str, int]] = set()  # (group, rows) this policy made packs for
 
@@ -443,10 +535,13 @@ class CpuLinearPolicy(LinearPolicy):
         if group not in self.tuned:
             return "input_major"
         if group in self.packable:
-            return linear_layout_kind(self.linear_layout, weights, rows)
-        if group in self.reorderable:
-            return reordered_layout_kind(self.linear_layout, weights, rows)
-        return "weight_major" if weight_major_layout(self.linear_layout, weights, rows) else "input_major"
+            kind = linear_layout_kind(self.linear_layout, weights, rows)
+        elif group in self.reorderable:
+            kind = reordered_layout_kind(self.linear_layout, weights, rows)
+        else:
+            kind = "weight_major" if weight_major_layout(self.linear_layout, weights, rows) else "input_major"
+        approximate = group in self.approximate and self.linear_layout == "auto"
+        return "bfloat16" if approximate and bfloat16_pays(weights, rows, kind) else kind
 
     def prepare(self, group: str, rows: int, *more_rows: int) -> None:
         kind = self.kind(group, rows)
@@ -454,9 +549,10 @@ class CpuLinearPolicy(LinearPolicy):
             for count in (rows, *more_rows):
                 pack_weights(self.weights[group], count)
                 self.packed_rows.add((group, count))
-        elif kind == "onednn":
-            pack_weights(self.weights[group], ANY_ROWS)
-            self.packed_rows.add((group, ANY_ROWS))
+        elif kind in ("onednn", "bfloat16"):
+            pack_rows = ANY_ROWS if kind == "onednn" else BF16_ROWS
+            pack_weights(self.weights[group], pack_rows)
+            self.packed_rows.add((group, pack_rows))
 
     def release(self) -> None:
         for group, rows in self.packed_rows:
