@@ -65,7 +65,8 @@ def main() -> None:
     decoders = {"plain": plain(greedy), "plain compiled": plain(dict(greedy, **compiled_plain_kwargs(max_cache_len)))}
     for compile in (False, True):
         for bf16 in (False, True):
-            decoders[f"{'compiled' if compile else 'eager'} {'auto' if bf16 else 'float32 drafter'}"] = xpress(compile, bf16)
+            name = f"{'compiled' if compile else 'eager'} {'auto' if bf16 else 'float32 drafter'}"
+            decoders[name] = xpress(compile, bf16)
     totals = {name: {"seconds": 0.0, "tokens": 0, "stats": [], "identical": 0} for name in decoders}
     with torch.inference_mode():
         for name, run in decoders.items():  # warm-up: compilation, layouts, drafts per block

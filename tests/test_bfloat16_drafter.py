@@ -45,8 +45,8 @@ def bfloat16_drafter(monkeypatch):
 
 def test_the_mode_computes_the_product_of_rounded_operands():
     """`Bfloat16Linear` is x·Wᵀ (+ b) over x and W rounded to bfloat16 (its result rounded too), in x's dtype, for
-    2-D and 3-D inputs; a weight
-    without a reorder and larger inputs go through F.linear bit for bit; a weight changed in place is reordered again."""
+    2-D and 3-D inputs; a weight without a reorder and larger inputs go through F.linear bit for bit; a weight changed
+    in place is reordered again."""
     generator = torch.Generator().manual_seed(0)
     weight, bias, other = (torch.randn(96, 40, generator=generator), torch.randn(96, generator=generator),
                            torch.randn(96, 40, generator=generator))  # fmt: skip

@@ -309,13 +309,14 @@ class OnednnLinear(PackedLinear):
 # --- bfloat16 products for the drafter (CPU) -------------------------------------------------------------------------
 # The drafter's products decide only which tokens are proposed, never which are kept (the target verifies in its own
 # precision), so they may be computed in bfloat16 where that is faster: x and W rounded to bfloat16, W reordered once
-# by oneDNN (`BF16_ROWS`), the product accumulated in float32, rounded to bfloat16 and returned in x's dtype. On a CPU with native bfloat16
-# products (AVX512-BF16, AMX) this halves the weights' bytes and runs the faster kernels; elsewhere the timing says
-# no. Measured on a 2-core AMD EPYC (AVX-512 with BF16), Gemma-3-270M's fp32 compiled loop at 3 drafts per block, the
-# whole drafter in bfloat16: drafter 15.7 -> 10.1 ms a block, 100.5 -> 89.8 ms in all, the same τ. Only a group the
-# policy may approximate (`CpuLinearPolicy(approximate=...)`: the drafter) and only with "auto"; and only where the
-# group's float32 products take at least `BFLOAT16_MIN_SECONDS`, so a few microseconds never trade a seeded call's
-# draws (sampled drafts follow the drafter's rounding) for nothing.
+# by oneDNN (`BF16_ROWS`), the product accumulated in float32, rounded to bfloat16 and returned in x's dtype. On a CPU
+# with native bfloat16 products (AVX512-BF16, AMX) this halves the weights' bytes and runs the faster kernels;
+# elsewhere the timing says no. Measured on a 2-core AMD EPYC with AVX512-BF16, fp32 models: Gemma-3-270M's drafter
+# products over 16 rows 11.0 -> 5.0 ms, its eager loop +9.6% tokens/s and compiled loop +3.2%, SmolLM2's +4.9% /
+# +5.1%, τ unchanged (docs/results.md). Only a group the policy may approximate (`CpuLinearPolicy(approximate=...)`:
+# the drafter) and only with "auto"; and only where the group's float32 products take at least
+# `BFLOAT16_MIN_SECONDS`, so a few microseconds never trade a seeded call's draws (sampled drafts follow the drafter's
+# rounding) for nothing.
 BFLOAT16_MIN_SECONDS = 1e-3
 _BF16_WORKS: list[bool] = []
 
@@ -486,9 +487,10 @@ def products_samples(jobs: Sequence[tuple[Sequence[torch.Tensor], int, str]], *,
     """Seconds of each job (weights, rows, layout) in each of `rounds` rounds: one pass of `rows` input rows through
     every weight in turn, as a forward multiplies them (each weight once, so they stream from memory), in that layout:
     `F.linear(x, W)`, `(W @ x.T).T` ("weight_major"), W's MKL pack for that many rows ("packed"), W's oneDNN reorder
-    ("onednn") or its bfloat16 reorder ("bfloat16"). The unpacked jobs are timed in turn, round by round (`policy.time_rounds`), so a drift in the machine's
-    speed hits them alike; each packed job is timed alone, its rounds between packing its weights and dropping the
-    packs it made, so at most one extra copy of the weights is held."""
+    ("onednn") or its bfloat16 reorder ("bfloat16"). The unpacked jobs are timed in turn, round by round
+    (`policy.time_rounds`), so a drift in the machine's speed hits them alike; each packed job is timed alone, its
+    rounds between packing its weights and dropping the packs it made, so at most one extra copy of the weights is
+    held."""
     product = {"input_major": F.linear, "weight_major": lambda x, w: torch.mm(w, x.t()), "packed": packed_linear,
                "onednn": onednn_linear, "bfloat16": bfloat16_linear}  # fmt: skip
     sweeps = product_sweeps([(weights, rows, product[kind]) for weights, rows, kind in jobs])
