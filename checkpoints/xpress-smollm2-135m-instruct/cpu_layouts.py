@@ -136,6 +136,7 @@ def weight_major_layout(linear_layout: str, weights, rows: int) -> bool:
 _PACKS: dict[tuple[int, int], tuple[torch.Size, tuple, int, torch.Tensor]] = {}
 ANY_ROWS = 0
 BF16_ROWS = -1
+_REORDER_ROWS = {"onednn": ANY_ROWS, "bfloat16": BF16_ROWS}  # the kinds whose one reorder serves every row count
 _PACKING_WORKS: list[bool] = []
 
 
@@ -143,22 +144,30 @@ def _packable(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
 
 
+def _computes_f_linear(product, operands=lambda t: t, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
+    """Whether `product(x, W)` is `F.linear` over `operands(x)`, `operands(W)` for 1, 3 and 16 rows of x on a small
+    random weight; False where it raises (a build whose ops exist but do not run here). The availability checks'
+    one test, run once per process."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(72, 40, generator=generator)
+    try:
+        for rows in (1, 3, 16):
+            x = torch.randn(rows, 40, generator=generator)
+            expected = F.linear(operands(x), operands(weight))
+            if not torch.allclose(product(x, weight).float(), expected, rtol=rtol, atol=atol):
+                return False
+    except RuntimeError:
+        return False
+    return True
+
+
 def mkl_packing_available() -> bool:
     """Whether this torch build has MKL's packed GEMM and it computes `F.linear` here (checked once per process on a
     small weight)."""
     if not _PACKING_WORKS:
         works = bool(torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
-        if works:
-            try:
-                generator = torch.Generator().manual_seed(0)
-                weight = torch.randn(72, 40, generator=generator)
-                for rows in (1, 3, 16):
-                    x = torch.randn(rows, 40, generator=generator)
-                    out = torch.ops.mkl._mkl_linear(x, _pack(weight, rows), weight, None, rows)
-                    works &= torch.allclose(out, F.linear(x, weight), rtol=1e-4, atol=1e-5)
-            except RuntimeError:  # a build whose MKL ops exist but do not run here
-                works = False
-        _PACKING_WORKS.append(works)
+        _PACKING_WORKS.append(works and _computes_f_linear(
+            lambda x, weight: torch.ops.mkl._mkl_linear(x, _pack(weight, x.shape[0]), weight, None, x.shape[0])))
     return _PACKING_WORKS[0]
 
 
@@ -275,18 +284,8 @@ def onednn_reorder_available() -> bool:
         ops = torch.ops.mkldnn
         works = bool(torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
                      and hasattr(ops, "_reorder_linear_weight"))  # fmt: skip
-        if works:
-            try:
-                generator = torch.Generator().manual_seed(0)
-                weight = torch.randn(72, 40, generator=generator)
-                pack = _pack(weight, ANY_ROWS)
-                for rows in (1, 3, 16):
-                    x = torch.randn(rows, 40, generator=generator)
-                    out = ops._linear_pointwise(x, pack, None, "none", [], "")
-                    works &= torch.allclose(out, F.linear(x, weight), rtol=1e-4, atol=1e-5)
-            except RuntimeError:  # a build whose oneDNN ops exist but do not run here
-                works = False
-        _ONEDNN_WORKS.append(works)
+        _ONEDNN_WORKS.append(works and _computes_f_linear(
+            lambda x, weight: ops._linear_pointwise(x, _pack(weight, ANY_ROWS), None, "none", [], "")))
     return _ONEDNN_WORKS[0]
 
 
@@ -325,20 +324,14 @@ def bfloat16_products_available() -> bool:
     """Whether oneDNN computes a bfloat16-reordered `F.linear` here (checked once per process on a small weight,
     against the product of the bfloat16-rounded operands)."""
     if not _BF16_WORKS:
-        works = onednn_reorder_available()
-        if works:
-            try:
-                generator = torch.Generator().manual_seed(0)
-                weight = torch.randn(72, 40, generator=generator)
-                pack = _pack(weight, BF16_ROWS)
-                for rows in (1, 3, 16):
-                    x = torch.randn(rows, 40, generator=generator)
-                    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), pack, None, "none", [], "")
-                    rounded = F.linear(x.to(torch.bfloat16).float(), weight.to(torch.bfloat16).float())
-                    works &= torch.allclose(out.float(), rounded, rtol=2e-2, atol=2e-2)
-            except RuntimeError:
-                works = False
-        _BF16_WORKS.append(works)
+        def product(x, weight):
+            pack = _pack(weight, BF16_ROWS)
+            return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), pack, None, "none", [], "")
+
+        def rounded(tensor):
+            return tensor.to(torch.bfloat16).float()
+
+        _BF16_WORKS.append(onednn_reorder_available() and _computes_f_linear(product, rounded, rtol=2e-2, atol=2e-2))
     return _BF16_WORKS[0]
 
 
@@ -495,12 +488,12 @@ def products_samples(jobs: Sequence[tuple[Sequence[torch.Tensor], int, str]], *,
                "onednn": onednn_linear, "bfloat16": bfloat16_linear}  # fmt: skip
     sweeps = product_sweeps([(weights, rows, product[kind]) for weights, rows, kind in jobs])
     device = jobs[0][0][0].device
-    prepacked = {"packed": None, "onednn": ANY_ROWS, "bfloat16": BF16_ROWS}
+    prepacked = ("packed", *_REORDER_ROWS)
     in_turn = [i for i, job in enumerate(jobs) if job[2] not in prepacked]
     samples = dict(zip(in_turn, time_rounds([sweeps[i] for i in in_turn], device, rounds)))
     for i, (weights, rows, kind) in enumerate(jobs):
         if kind in prepacked:
-            pack_rows = rows if kind == "packed" else prepacked[kind]
+            pack_rows = _REORDER_ROWS.get(kind, rows)
             new = pack_weights(weights, pack_rows)
             samples[i] = time_rounds([sweeps[i]], device, rounds)[0]
             release_packed_weights(new, pack_rows)
@@ -551,10 +544,9 @@ class CpuLinearPolicy(LinearPolicy):
             for count in (rows, *more_rows):
                 pack_weights(self.weights[group], count)
                 self.packed_rows.add((group, count))
-        elif kind in ("onednn", "bfloat16"):
-            pack_rows = ANY_ROWS if kind == "onednn" else BF16_ROWS
-            pack_weights(self.weights[group], pack_rows)
-            self.packed_rows.add((group, pack_rows))
+        elif kind in _REORDER_ROWS:
+            pack_weights(self.weights[group], _REORDER_ROWS[kind])
+            self.packed_rows.add((group, _REORDER_ROWS[kind]))
 
     def release(self) -> None:
         for group, rows in self.packed_rows:
