@@ -5,7 +5,8 @@ responses (temperature 1, teacher forced). Decoding measures tokens per verifica
 them, and this script puts a number on each, from a held-out signal cache (the target's own greedy responses to
 prompts never trained on, with its features and top-k distributions):
 
-1. the metric: T=1 acceptance (1 − TV) vs greedy acceptance (the drafter's argmax equals the target's);
+1. the metric: T=1 acceptance (1 − TV, of the drafter's own distribution) vs greedy acceptance (the draft equals
+   the target's argmax);
 2. where the blocks start: every position of a response vs only its first `--positions` tokens;
 3. how the blocks are chained: the uniform average over anchors vs the renewal average decoding actually realises
    (each block starts where the previous one stopped, so a position where the drafter fails starts a block and a long
@@ -13,6 +14,10 @@ prompts never trained on, with its features and top-k distributions):
 
 Greedy decoding of the target reproduces the held-out responses (they are its greedy outputs), so the chained greedy
 figure is what `spec_generate` would measure on those rows, up to bf16 near-ties and the draft-length cut.
+
+The greedy figures are of the drafts as the checkpoint decodes them (`XPressModel.refine`: with its head, Jacobi as
+configured) and, as `*_head_off`, of the drafter's own argmax (`jacobi_max_iters=0`), on the same anchors: a head's
+gain over uniform anchors (what training samples) against its gain over the chained blocks (what decoding visits).
 
     python examples/acceptance_diagnostic.py --checkpoint runs/v3/drafter \
         --cache cache/signals-smollm2-v3-held-out --out benchmarks/results/acceptance-diagnostic-v3-drafter.json
@@ -43,7 +48,8 @@ def chained(tau: list[float], start: int = 0) -> tuple[int, int]:
 @torch.no_grad()
 def row_acceptance(xpress, target, row, chunk: int = 64) -> dict[str, torch.Tensor]:
     """Per response anchor t (the last token before the block): T=1 acceptance (1 − TV, from the stored top-k, a
-    lower bound) and greedy match for every block position. Returns (A, n) tensors and the anchors' offsets."""
+    lower bound) and greedy match for every block position, of the drafts as decoded (`greedy`) and of the drafter's
+    own argmax (`greedy_head_off`). Returns (A, n) tensors and the anchors' offsets."""
     ids = torch.tensor(row["input_ids"], dtype=torch.long)
     mask = torch.tensor(row["loss_mask"], dtype=torch.bool)
     full = ids.shape[0]
@@ -56,9 +62,9 @@ def row_acceptance(xpress, target, row, chunk: int = 64) -> dict[str, torch.Tens
     n = xpress.config.block_size - 1
     response = mask.nonzero().flatten()
     first = int(response[0])
-    anchors = [t for t in range(first, full - 1) if mask[t + 1]]  # as in training and decoding: t in the response
+    anchors = [t for t in range(max(first, 1), full - 1) if mask[t + 1]]  # t in the response, as training and decoding
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    greedy, soft = [], []
+    greedy, greedy_off, soft = [], [], []
     for lo in range(0, len(anchors), chunk):
         a = torch.tensor(anchors[lo : lo + chunk])
         hidden = draft_blocks(xpress, embed, features[None], a[None], ids[a][None])[0]  # (m, B, H)
@@ -70,13 +76,16 @@ def row_acceptance(xpress, target, row, chunk: int = 64) -> dict[str, torch.Tens
         p_ids, p_probs = topk_ids[pos], topk_probs[pos]  # (m, n, k)
         # 1 − TV ≥ Σ_{top-k} min(p, q): exact on the held entries, the tail counted as disjoint.
         overlap = torch.minimum(p_probs, torch.gather(q, -1, p_ids)).sum(-1)
-        match = logits.argmax(-1) == p_ids[..., 0]
+        last = torch.stack([ids[a - 1], ids[a]], dim=-1)  # the token before each anchor and the anchor
+        drafts = xpress.refine(hidden.to(lm_head.weight.dtype), logits, last).tokens  # greedy, as decoding drafts them
         soft.append(overlap * valid)
-        greedy.append((match & valid).float())
+        greedy.append(((drafts == p_ids[..., 0]) & valid).float())
+        greedy_off.append(((logits.argmax(-1) == p_ids[..., 0]) & valid).float())
     return {
         "offsets": torch.tensor(anchors) - first,
         "soft": torch.cat(soft),
         "greedy": torch.cat(greedy),
+        "greedy_head_off": torch.cat(greedy_off),
     }
 
 
@@ -96,20 +105,25 @@ def main():
     target, _ = load_smollm2(torch.float32)
     xpress = XPressModel.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
     rows = load_signal_cache(args.cache)
-    per = {"uniform_soft": [], "uniform_greedy": [], "uniform_soft_prefix": [], "uniform_greedy_prefix": []}
-    tokens = steps = tokens_prefix = steps_prefix = 0
+    per = {"uniform_soft": [], "uniform_greedy": [], "uniform_soft_prefix": [], "uniform_greedy_prefix": [],
+           "uniform_greedy_head_off": []}
+    tokens = steps = tokens_prefix = steps_prefix = tokens_off = steps_off = 0
     realized = {"chained_tokens": 0, "chained_steps": 0, "tokens": 0, "steps": 0, "identical_rows": 0}
     for i in range(min(args.rows, len(rows))):
         acc = row_acceptance(xpress, target, rows[i])
         tau_soft = 1 + acc["soft"].cumprod(-1).sum(-1)
         tau_greedy = 1 + acc["greedy"].cumprod(-1).sum(-1)
+        tau_off = 1 + acc["greedy_head_off"].cumprod(-1).sum(-1)
         prefix = acc["offsets"] < args.positions
         per["uniform_soft"] += tau_soft.tolist()
         per["uniform_greedy"] += tau_greedy.tolist()
         per["uniform_soft_prefix"] += tau_soft[prefix].tolist()
         per["uniform_greedy_prefix"] += tau_greedy[prefix].tolist()
+        per["uniform_greedy_head_off"] += tau_off.tolist()
         row_tokens, row_steps = chained(tau_greedy.tolist())
         tokens, steps = tokens + row_tokens, steps + row_steps
+        t, s = chained(tau_off.tolist())
+        tokens_off, steps_off = tokens_off + t, steps_off + s
         t, s = chained(tau_greedy[prefix].tolist())
         tokens_prefix, steps_prefix = tokens_prefix + t, steps_prefix + s
         print(f"row {i}: {len(tau_greedy)} anchors, uniform greedy τ {tau_greedy.mean():.2f}, "
@@ -140,6 +154,8 @@ def main():
         "tau_greedy_harmonic_all": harmonic,
         "tau_greedy_chained_all": tokens / steps,
         "tau_greedy_chained_prefix": tokens_prefix / steps_prefix,
+        "tau_greedy_uniform_all_head_off": mean["uniform_greedy_head_off"],
+        "tau_greedy_chained_all_head_off": tokens_off / steps_off,
     }
     if args.realized:
         result["realized"] = {

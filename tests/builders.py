@@ -1,7 +1,9 @@
 """Tiny models for the tests: random Llama/Qwen3/Gemma-3 targets, xPress drafters for them, tokenizers built in code,
 and a target whose next-token distribution is an exact, designed function of the current token (a Markov chain)."""
 
+import importlib.util
 import math
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -17,6 +19,16 @@ from modeling_xpress import XPressConfig, XPressModel
 from modeling_xpress.training.synthetic import (  # noqa: F401 (re-exported)
     markov_target, oracle_drafter, perfect_head, permutation_target,
 )  # fmt: skip
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str):
+    """`examples/<name>.py` imported as a module (its functions, and `main` to run it in-process)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_llama(vocab_size: int = 96, seed: int = 0, **overrides) -> LlamaForCausalLM:

@@ -3,7 +3,6 @@ against the adaptive setting, the greedy-identity count, and complete JSON / Mar
 rendered without torch."""
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from modeling_xpress.bench.settings import (
 )
 from modeling_xpress.cards import render_model_card
 from modeling_xpress.training.synthetic import constructed_permutation_pair
-from tests.builders import perfect_head, permutation_target, tiny_llama, tiny_tokenizer, tiny_xpress
+from tests.builders import load_example, perfect_head, permutation_target, tiny_llama, tiny_tokenizer, tiny_xpress
 
 BLOCK = 8
 STEPS = 4
@@ -38,10 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def cli():
     """examples/benchmark.py imported as a module: the parsers of its command-line strings live there."""
-    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "examples" / "benchmark.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_example("benchmark")
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import sys
-from pathlib import Path
 
 import datasets
 import pytest
@@ -29,11 +28,12 @@ from modeling_xpress.training import (
     position_weights,
 )
 from modeling_xpress.training.trainer import LORA_CHECKPOINT_DIR
-from tests.builders import branching_chain, markov_responses, markov_target, tiny_llama, tiny_qwen3, tiny_xpress
+from tests.builders import (
+    branching_chain, load_example, markov_responses, markov_target, tiny_llama, tiny_qwen3, tiny_xpress,
+)  # fmt: skip
 
 hf_logging.set_verbosity_error()
 
-ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 8
 N = BLOCK - 1
 
@@ -672,11 +672,7 @@ def test_dataloader_workers_train_on_the_anchors_of_the_main_process(tmp_path):
 
 
 def run_example(monkeypatch, *argv: str) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_refiner", ROOT / "examples" / "train_refiner.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_example("train_refiner")
     monkeypatch.setattr(sys, "argv", ["train_refiner.py", *argv, "--report_to", "none", "--disable_tqdm", "true"])
     script.main()
 
