@@ -49,7 +49,8 @@ def chained(tau: list[float], start: int = 0) -> tuple[int, int]:
 def row_acceptance(xpress, target, row, chunk: int = 64) -> dict[str, torch.Tensor]:
     """Per response anchor t (the last token before the block): T=1 acceptance (1 − TV, from the stored top-k, a
     lower bound) and greedy match for every block position, of the drafts as decoded (`greedy`) and of the drafter's
-    own argmax (`greedy_head_off`). Returns (A, n) tensors and the anchors' offsets."""
+    own argmax (`greedy_head_off`). Returns (A, n) tensors, the anchors' offsets and `whole` (A,): the anchors whose
+    every block position lies in the response."""
     ids = torch.tensor(row["input_ids"], dtype=torch.long)
     mask = torch.tensor(row["loss_mask"], dtype=torch.bool)
     full = ids.shape[0]
@@ -64,7 +65,7 @@ def row_acceptance(xpress, target, row, chunk: int = 64) -> dict[str, torch.Tens
     first = int(response[0])
     anchors = [t for t in range(max(first, 1), full - 1) if mask[t + 1]]  # t in the response, as training and decoding
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    greedy, greedy_off, soft = [], [], []
+    greedy, greedy_off, soft, whole = [], [], [], []
     for lo in range(0, len(anchors), chunk):
         a = torch.tensor(anchors[lo : lo + chunk])
         hidden = draft_blocks(xpress, embed, features[None], a[None], ids[a][None])[0]  # (m, B, H)
@@ -81,11 +82,13 @@ def row_acceptance(xpress, target, row, chunk: int = 64) -> dict[str, torch.Tens
         soft.append(overlap * valid)
         greedy.append(((drafts == p_ids[..., 0]) & valid).float())
         greedy_off.append(((logits.argmax(-1) == p_ids[..., 0]) & valid).float())
+        whole.append(valid.all(-1))
     return {
         "offsets": torch.tensor(anchors) - first,
         "soft": torch.cat(soft),
         "greedy": torch.cat(greedy),
         "greedy_head_off": torch.cat(greedy_off),
+        "whole": torch.cat(whole),
     }
 
 
@@ -108,6 +111,7 @@ def main():
     per = {"uniform_soft": [], "uniform_greedy": [], "uniform_soft_prefix": [], "uniform_greedy_prefix": [],
            "uniform_greedy_head_off": []}
     tokens = steps = tokens_prefix = steps_prefix = tokens_off = steps_off = 0
+    runs = {"greedy": [], "greedy_head_off": []}  # accepted-so-far indicators of the blocks wholly in a response
     realized = {"chained_tokens": 0, "chained_steps": 0, "tokens": 0, "steps": 0, "identical_rows": 0}
     for i in range(min(args.rows, len(rows))):
         acc = row_acceptance(xpress, target, rows[i])
@@ -120,6 +124,8 @@ def main():
         per["uniform_soft_prefix"] += tau_soft[prefix].tolist()
         per["uniform_greedy_prefix"] += tau_greedy[prefix].tolist()
         per["uniform_greedy_head_off"] += tau_off.tolist()
+        for name, run in runs.items():
+            run.append(acc[name][acc["whole"]].cumprod(-1))
         row_tokens, row_steps = chained(tau_greedy.tolist())
         tokens, steps = tokens + row_tokens, steps + row_steps
         t, s = chained(tau_off.tolist())
@@ -140,6 +146,12 @@ def main():
             realized["identical_rows"] += int(torch.equal(out.sequences[0, : len(ids)], ids))
             print(f"  decoded: τ {sum(lengths) / max(len(lengths), 1):.2f} over {len(lengths)} steps")
     mean = {k: sum(v) / len(v) for k, v in per.items()}
+    # P(position k accepted | positions < k accepted), the factors greedy τ is made of, over the whole blocks
+    conditional = {}
+    for name, run in runs.items():
+        run = torch.cat(run)
+        reached = torch.cat([run.new_tensor([run.shape[0]]), run.sum(0)])  # blocks accepted up to k - 1, from k = 0
+        conditional[name] = [round(v, 4) for v in (reached[1:7] / reached[:6]).tolist()]
     harmonic = len(per["uniform_greedy"]) / sum(1 / x for x in per["uniform_greedy"])
     result = {
         "checkpoint": args.checkpoint,
@@ -156,6 +168,8 @@ def main():
         "tau_greedy_chained_prefix": tokens_prefix / steps_prefix,
         "tau_greedy_uniform_all_head_off": mean["uniform_greedy_head_off"],
         "tau_greedy_chained_all_head_off": tokens_off / steps_off,
+        "greedy_conditional_acceptance_k1_6": conditional["greedy"],
+        "greedy_conditional_acceptance_k1_6_head_off": conditional["greedy_head_off"],
     }
     if args.realized:
         result["realized"] = {
