@@ -18,6 +18,7 @@ figure is what `spec_generate` would measure on those rows, up to bf16 near-ties
 The greedy figures are of the drafts as the checkpoint decodes them (`XPressModel.refine`: with its head, Jacobi as
 configured) and, as `*_head_off`, of the drafter's own argmax (`jacobi_max_iters=0`), on the same anchors: a head's
 gain over uniform anchors (what training samples) against its gain over the chained blocks (what decoding visits).
+The factors greedy τ is made of, P(position k accepted | positions before it accepted), are reported over both.
 
     python examples/acceptance_diagnostic.py --checkpoint runs/v3/drafter \
         --cache cache/signals-smollm2-v3-held-out --out benchmarks/results/acceptance-diagnostic-v3-drafter.json
@@ -35,14 +36,15 @@ from modeling_xpress.training.signal_cache import load_signal_cache
 from modeling_xpress.training import draft_blocks
 
 
-def chained(tau: list[float], start: int = 0) -> tuple[int, int]:
+def chained(tau: list[float], start: int = 0) -> tuple[int, int, list[int]]:
     """Walk a response as decoding does: a block at position t yields tau[t] tokens, the next block starts after them.
-    Returns (tokens, steps)."""
-    t, tokens, steps = start, 0, 0
+    Returns (tokens, steps, the positions the blocks started at)."""
+    t, tokens, visited = start, 0, []
     while t < len(tau):
         step = int(round(tau[t]))
-        tokens, steps, t = tokens + step, steps + 1, t + step
-    return tokens, steps
+        tokens, t = tokens + step, t + step
+        visited.append(t - step)
+    return tokens, len(visited), visited
 
 
 @torch.no_grad()
@@ -111,7 +113,8 @@ def main():
     per = {"uniform_soft": [], "uniform_greedy": [], "uniform_soft_prefix": [], "uniform_greedy_prefix": [],
            "uniform_greedy_head_off": []}
     tokens = steps = tokens_prefix = steps_prefix = tokens_off = steps_off = 0
-    runs = {"greedy": [], "greedy_head_off": []}  # accepted-so-far indicators of the blocks wholly in a response
+    # accepted-so-far indicators of the blocks wholly in a response: at every anchor, and at the anchors each walk visits
+    runs = {"greedy": [], "greedy_head_off": [], "greedy_chained": [], "greedy_chained_head_off": []}
     realized = {"chained_tokens": 0, "chained_steps": 0, "tokens": 0, "steps": 0, "identical_rows": 0}
     for i in range(min(args.rows, len(rows))):
         acc = row_acceptance(xpress, target, rows[i])
@@ -124,13 +127,17 @@ def main():
         per["uniform_soft_prefix"] += tau_soft[prefix].tolist()
         per["uniform_greedy_prefix"] += tau_greedy[prefix].tolist()
         per["uniform_greedy_head_off"] += tau_off.tolist()
-        for name, run in runs.items():
-            run.append(acc[name][acc["whole"]].cumprod(-1))
-        row_tokens, row_steps = chained(tau_greedy.tolist())
+        row_tokens, row_steps, visited = chained(tau_greedy.tolist())
         tokens, steps = tokens + row_tokens, steps + row_steps
-        t, s = chained(tau_off.tolist())
+        t, s, visited_off = chained(tau_off.tolist())
         tokens_off, steps_off = tokens_off + t, steps_off + s
-        t, s = chained(tau_greedy[prefix].tolist())
+        for name, at in [("greedy", None), ("greedy_head_off", None), ("greedy_chained", visited),
+                         ("greedy_chained_head_off", visited_off)]:  # fmt: skip
+            drafts = name.replace("_chained", "")
+            blocks = torch.arange(len(acc["whole"])) if at is None else torch.tensor(at, dtype=torch.long)
+            blocks = blocks[acc["whole"][blocks]]
+            runs[name].append(acc[drafts][blocks].cumprod(-1))
+        t, s, _ = chained(tau_greedy[prefix].tolist())
         tokens_prefix, steps_prefix = tokens_prefix + t, steps_prefix + s
         print(f"row {i}: {len(tau_greedy)} anchors, uniform greedy τ {tau_greedy.mean():.2f}, "
               f"chained {row_tokens / row_steps:.2f}")
@@ -146,7 +153,8 @@ def main():
             realized["identical_rows"] += int(torch.equal(out.sequences[0, : len(ids)], ids))
             print(f"  decoded: τ {sum(lengths) / max(len(lengths), 1):.2f} over {len(lengths)} steps")
     mean = {k: sum(v) / len(v) for k, v in per.items()}
-    # P(position k accepted | positions < k accepted), the factors greedy τ is made of, over the whole blocks
+    # P(position k accepted | positions < k accepted), the factors greedy τ is made of, over the whole blocks: at every
+    # anchor, and at the anchors decoding visits (each walk its own: the head's drafts, the drafter's argmax)
     conditional = {}
     for name, run in runs.items():
         run = torch.cat(run)
@@ -170,6 +178,8 @@ def main():
         "tau_greedy_chained_all_head_off": tokens_off / steps_off,
         "greedy_conditional_acceptance_k1_6": conditional["greedy"],
         "greedy_conditional_acceptance_k1_6_head_off": conditional["greedy_head_off"],
+        "greedy_conditional_acceptance_k1_6_chained": conditional["greedy_chained"],
+        "greedy_conditional_acceptance_k1_6_chained_head_off": conditional["greedy_chained_head_off"],
     }
     if args.realized:
         result["realized"] = {

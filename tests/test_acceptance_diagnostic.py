@@ -62,3 +62,10 @@ def test_head_drafts_are_the_sequential_decode_and_a_zero_head_changes_nothing(d
     fresh = tiny_xpress(target, refiner_form="release", randomize_head=False)  # δ = 0: the drafter's own argmax
     acc = diagnostic.row_acceptance(fresh, target, cached_row(target, fresh, tmp_path / "b"))
     assert torch.equal(acc["greedy"], acc["greedy_head_off"])
+
+
+def test_chained_walk_starts_each_block_where_the_last_one_stopped(diagnostic):
+    # A block at position t yields tau[t] tokens (its accepted drafts and the target's own token).
+    assert diagnostic.chained([2, 1, 3, 1, 1, 1, 1]) == (7, 4, [0, 2, 5, 6])
+    assert diagnostic.chained([4, 1, 1, 1, 2]) == (6, 2, [0, 4])  # the last block runs past the response: counted
+    assert diagnostic.chained([]) == (0, 0, [])

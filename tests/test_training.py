@@ -155,6 +155,32 @@ def test_collator_anchors_depend_only_on_seed_epoch_and_row():
     assert torch.equal(collate(rows)["anchors"], first["anchors"])
 
 
+def test_collator_draws_anchors_in_proportion_to_anchor_weights():
+    rows = random_rows([30, 30], seed=7)
+    eligible = [t for t in range(29) if rows[0]["loss_mask"][t] and rows[0]["loss_mask"][t + 1]]
+    favoured, other = eligible[2], eligible[5]
+    weights = [0.0] * 30
+    weights[favoured], weights[other] = 3.0, 1.0
+    rows[0]["anchor_weights"] = weights  # row 1 has none: uniform, as before
+    collate = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=4, seed=3)
+    batch = collate(rows)
+    # Only positions with a weight > 0 are anchors (2 of them, though 4 were asked for); the unweighted row is as
+    # without the column.
+    assert sorted(batch["anchors"][0][batch["anchor_mask"][0]].tolist()) == [favoured, other]
+    plain = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=4, seed=3)([rows[1]])
+    assert torch.equal(batch["anchors"][1], plain["anchors"][0])
+    # One anchor per row: drawn in proportion 3 : 1 (over 400 epochs; the binomial sd of the share is 0.022).
+    single = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=1, seed=3)
+    draws = []
+    for epoch in range(400):
+        single.set_epoch(epoch)
+        draws.append(single([rows[0]])["anchors"][0, 0].item())
+    assert set(draws) == {favoured, other} and abs(draws.count(favoured) / 400 - 0.75) < 0.07
+    for bad, message in [([1.0] * 29, "29 values but input_ids has 30 tokens"), ([-1.0] * 30, "finite and >= 0")]:
+        with pytest.raises(ValueError, match=message):
+            collate([{**rows[1], "anchor_weights": bad}])
+
+
 def test_collator_rejects_batches_without_tokens_but_keeps_rows_without_anchors():
     collate = XPressDataCollator(block_size=BLOCK, anchors_per_sequence=4)
     with pytest.raises(ValueError, match="empty batch"):

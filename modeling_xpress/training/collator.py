@@ -27,6 +27,10 @@ class XPressDataCollator:
     of an uninterrupted single-process run. `XPressTrainer` calls `set_epoch` at the start of every epoch, so a row
     seen again gets a fresh draw. (Identical rows in one epoch get identical anchors.)
 
+    A row may carry `anchor_weights` (one number ≥ 0 per token): its anchors are then drawn without replacement with
+    probability proportional to the weight of the position (0: never an anchor), e.g. to train on the blocks greedy
+    decoding visits rather than on every position alike.
+
     Returns right-padded `input_ids` / `attention_mask` (b, T); `anchors` (b, m) positions and `anchor_mask` (b, m)
     (False on the padding slots of sequences with fewer than m anchors); `labels` (b, m, n): block position k of the
     block anchored at t is labelled with token t+k, or -100 from the first position that runs past the sequence or
@@ -61,6 +65,22 @@ class XPressDataCollator:
         digest.update(mask.cpu().numpy().tobytes())
         return torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little"))
 
+    @staticmethod
+    def row_anchor_weights(i: int, row: dict, length: int) -> torch.Tensor | None:
+        """Row `i`'s `anchor_weights` (float64, cut to `length` tokens), or None when it has none."""
+        if row.get("anchor_weights") is None:
+            return None
+        weights = torch.as_tensor(row["anchor_weights"], dtype=torch.float64).flatten()
+        tokens = torch.as_tensor(row["input_ids"]).numel()
+        if len(weights) != tokens:
+            raise ValueError(
+                f"row {i}: anchor_weights has {len(weights)} values but input_ids has {tokens} tokens: give one "
+                "weight per token"
+            )
+        if not (torch.isfinite(weights).all() and (weights >= 0).all()):
+            raise ValueError(f"row {i}: anchor_weights must be finite and >= 0 (0: never an anchor)")
+        return weights[:length]
+
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         if len(features) == 0:
             raise ValueError(
@@ -74,8 +94,8 @@ class XPressDataCollator:
                 raise ValueError(f"row {i}: input_ids has {len(ids)} tokens but loss_mask has {len(mask)}")
             if self.max_length is not None:
                 ids, mask = ids[: self.max_length], mask[: self.max_length]
-            rows.append((ids, mask))
-        b, t_max = len(rows), max(len(ids) for ids, _ in rows)
+            rows.append((ids, mask, self.row_anchor_weights(i, row, len(ids))))
+        b, t_max = len(rows), max(len(ids) for ids, _, _ in rows)
         if t_max == 0:
             raise ValueError(
                 f"every row of this batch of {b} has 0 tokens: there is nothing to train on. Drop empty rows from the "
@@ -88,12 +108,18 @@ class XPressDataCollator:
         in_response = torch.zeros(b, t_max, dtype=torch.bool)
         anchors = torch.zeros(b, m, dtype=torch.long)
         anchor_mask = torch.zeros(b, m, dtype=torch.bool)
-        for i, (ids, mask) in enumerate(rows):
+        for i, (ids, mask, weights) in enumerate(rows):
             input_ids[i, : len(ids)] = ids
             attention_mask[i, : len(ids)] = 1
             in_response[i, : len(ids)] = mask
             eligible = (mask[:-1] & mask[1:]).nonzero().flatten()  # t with loss_mask[t] == loss_mask[t+1] == 1
-            pick = torch.randperm(len(eligible), generator=self.row_generator(ids, mask))[:m]
+            generator = self.row_generator(ids, mask)
+            if weights is None:
+                pick = torch.randperm(len(eligible), generator=generator)[:m]
+            else:
+                w = weights[eligible]
+                drawn = min(m, int((w > 0).sum()))
+                pick = torch.multinomial(w, drawn, generator=generator) if drawn else eligible[:0]
             chosen = eligible[pick].sort().values
             anchors[i, : len(chosen)] = chosen
             anchor_mask[i, : len(chosen)] = True

@@ -1,0 +1,31 @@
+# v12 (issue 46): continue v11 on rows 0..N-1 of its training data, anchors drawn from the
+# blocks greedy decoding visits (ANCHORS=visited) or uniformly (ANCHORS=uniform, the control).
+import json, os, sys
+from transformers import HfArgumentParser
+from modeling_xpress.training import XPressTrainingArguments, XPressTrainer
+from modeling_xpress.training.run import RunArguments, load_target, load_data, build_drafter, cached_signals, held_out_cache_folder
+import torch
+args, targs = HfArgumentParser((RunArguments, XPressTrainingArguments)).parse_args_into_dataclasses()
+torch.set_num_threads(args.threads)
+target = load_target(args, targs.seed)
+data, held_out = load_data(args, target, targs.seed)
+xpress = build_drafter(args, target, data)
+layers = xpress.config.target_layer_ids
+data = cached_signals(args, targs, target, data, layers, args.signal_cache)
+held_out = cached_signals(args, targs, target, held_out, layers, held_out_cache_folder(args.signal_cache))
+rows = int(os.environ["ROWS"])
+data = data.select(range(rows))
+if os.environ["ANCHORS"] == "visited":
+    visited = json.load(open(os.environ["VISITED"]))
+    lengths = [len(x) for x in data["input_ids"]]
+    weights = []
+    for i, n in enumerate(lengths):
+        w = [0.0] * n
+        for t in visited[str(i)]:
+            w[t] = 1.0
+        weights.append(w)
+    data = data.add_column("anchor_weights", weights)
+print(f"{len(data)} rows, anchors {os.environ['ANCHORS']}, {xpress.config.refiner_form} head rank {xpress.config.refiner_rank}", flush=True)
+trainer = XPressTrainer(model=xpress, target=target, args=targs, train_dataset=data, eval_dataset=held_out)
+trainer.train()
+trainer.save_model()
