@@ -1,6 +1,8 @@
-# v12 (issue 46): continue v11 on rows 0..N-1 of its training data, anchors drawn from the
-# blocks greedy decoding visits (ANCHORS=visited) or uniformly (ANCHORS=uniform, the control).
-import json, os, sys
+# v12 (issue 46): continue v11 on ROWS rows of its training data, anchors drawn from the blocks greedy decoding visits
+# (ANCHORS=visited) or uniformly (ANCHORS=uniform, the control). FIRST=4000 (with --max_train_samples 10200): the rows
+# FIRST..FIRST+ROWS of the same shuffle instead, which v10-v12 never read, with their own --signal_cache (the two
+# runs' scripts merged into one; the same calls).
+import json, os
 from transformers import HfArgumentParser
 from modeling_xpress.training import XPressTrainingArguments, XPressTrainer
 from modeling_xpress.training.run import RunArguments, load_target, load_data, build_drafter, cached_signals, held_out_cache_folder
@@ -11,10 +13,13 @@ target = load_target(args, targs.seed)
 data, held_out = load_data(args, target, targs.seed)
 xpress = build_drafter(args, target, data)
 layers = xpress.config.target_layer_ids
-data = cached_signals(args, targs, target, data, layers, args.signal_cache)
-held_out = cached_signals(args, targs, target, held_out, layers, held_out_cache_folder(args.signal_cache))
-rows = int(os.environ["ROWS"])
-data = data.select(range(rows))
+rows, first = int(os.environ["ROWS"]), int(os.environ.get("FIRST", 0))
+if first:  # rows never trained on: a cache of just those rows; the held-out rows' cache is v10's
+    data = cached_signals(args, targs, target, data.select(range(first, first + rows)), layers, args.signal_cache)
+    held_out = cached_signals(args, targs, target, held_out, layers, "cache/signals-smollm2-v10-held-out")
+else:
+    data = cached_signals(args, targs, target, data, layers, args.signal_cache).select(range(rows))
+    held_out = cached_signals(args, targs, target, held_out, layers, held_out_cache_folder(args.signal_cache))
 if os.environ["ANCHORS"] == "visited":
     visited = json.load(open(os.environ["VISITED"]))
     lengths = [len(x) for x in data["input_ids"]]

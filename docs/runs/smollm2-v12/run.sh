@@ -23,3 +23,14 @@ for ANCHORS in visited uniform; do
     --save_strategy no --report_to none --seed 1 --threads 2 --eval_held_out 100 --eval_strategy no \
     --output_dir runs/v12/$ANCHORS
 done
+# 3. The control again on 1,600 rows v10-v12 never read (rows 4000..5599 of the same shuffle of the five sets; their
+#    cache 12 min, the run 11 min).
+ROWS=1600 FIRST=4000 ANCHORS=uniform .venv/bin/python $RECORD/continue_v11.py \
+  --target "$TARGET" --target_dtype bfloat16 --bf16 \
+  --data "$DATA" --max_train_samples 10200 --train_rows_seed 0 --signal_cache cache/signals-smollm2-rows4000-5600 \
+  --init_from runs/v11/xpress-r256 --refiner xpress --refiner_form release --refiner_rank 256 --refiner_mlp_hidden 512 \
+  --train_mode full --consistency_weight 1.0 --anchor_weight_start 0.2 --anchor_weight_floor 0.2 \
+  --learning_rate 3e-4 --drafter_lr_scale 0.15 --lr_scheduler_type cosine --warmup_steps 10 --max_steps 400 \
+  --per_device_train_batch_size 4 --anchors_per_sequence 32 --max_seq_length 640 --logging_steps 10 \
+  --save_strategy no --report_to none --seed 1 --threads 2 --eval_held_out 100 --eval_strategy no \
+  --output_dir runs/v12/new-rows
