@@ -48,11 +48,11 @@ def chained(tau: list[float], start: int = 0) -> tuple[int, int, list[int]]:
 
 
 @torch.no_grad()
-def row_acceptance(xpress, target, row, chunk: int = 64) -> dict[str, torch.Tensor]:
+def row_acceptance(xpress, target, row, chunk: int = 64, head: bool = True) -> dict[str, torch.Tensor]:
     """Per response anchor t (the last token before the block): T=1 acceptance (1 − TV, from the stored top-k, a
     lower bound) and greedy match for every block position, of the drafts as decoded (`greedy`) and of the drafter's
     own argmax (`greedy_head_off`). Returns (A, n) tensors, the anchors' offsets and `whole` (A,): the anchors whose
-    every block position lies in the response."""
+    every block position lies in the response. `head=False` skips the head's decode (`greedy` is then the argmax's)."""
     ids = torch.tensor(row["input_ids"], dtype=torch.long)
     mask = torch.tensor(row["loss_mask"], dtype=torch.bool)
     full = ids.shape[0]
@@ -79,11 +79,14 @@ def row_acceptance(xpress, target, row, chunk: int = 64) -> dict[str, torch.Tens
         p_ids, p_probs = topk_ids[pos], topk_probs[pos]  # (m, n, k)
         # 1 − TV ≥ Σ_{top-k} min(p, q): exact on the held entries, the tail counted as disjoint.
         overlap = torch.minimum(p_probs, torch.gather(q, -1, p_ids)).sum(-1)
-        last = torch.stack([ids[a - 1], ids[a]], dim=-1)  # the token before each anchor and the anchor
-        drafts = xpress.refine(hidden.to(lm_head.weight.dtype), logits, last).tokens  # greedy, as decoding drafts them
+        argmax = logits.argmax(-1)
+        drafts = argmax
+        if head:
+            last = torch.stack([ids[a - 1], ids[a]], dim=-1)  # the token before each anchor and the anchor
+            drafts = xpress.refine(hidden.to(lm_head.weight.dtype), logits, last).tokens  # greedy, as decoding drafts
         soft.append(overlap * valid)
         greedy.append(((drafts == p_ids[..., 0]) & valid).float())
-        greedy_off.append(((logits.argmax(-1) == p_ids[..., 0]) & valid).float())
+        greedy_off.append(((argmax == p_ids[..., 0]) & valid).float())
         whole.append(valid.all(-1))
     return {
         "offsets": torch.tensor(anchors) - first,
@@ -114,7 +117,8 @@ def main():
            "uniform_greedy_head_off": []}
     tokens = steps = tokens_prefix = steps_prefix = tokens_off = steps_off = 0
     # accepted-so-far indicators of the blocks wholly in a response: at every anchor, and at the anchors each walk visits
-    runs = {"greedy": [], "greedy_head_off": [], "greedy_chained": [], "greedy_chained_head_off": []}
+    runs = {"greedy": [], "greedy_head_off": []}
+    chained_runs = {"greedy": [], "greedy_head_off": []}
     realized = {"chained_tokens": 0, "chained_steps": 0, "tokens": 0, "steps": 0, "identical_rows": 0}
     for i in range(min(args.rows, len(rows))):
         acc = row_acceptance(xpress, target, rows[i])
@@ -131,12 +135,10 @@ def main():
         tokens, steps = tokens + row_tokens, steps + row_steps
         t, s, visited_off = chained(tau_off.tolist())
         tokens_off, steps_off = tokens_off + t, steps_off + s
-        for name, at in [("greedy", None), ("greedy_head_off", None), ("greedy_chained", visited),
-                         ("greedy_chained_head_off", visited_off)]:  # fmt: skip
-            drafts = name.replace("_chained", "")
-            blocks = torch.arange(len(acc["whole"])) if at is None else torch.tensor(at, dtype=torch.long)
-            blocks = blocks[acc["whole"][blocks]]
-            runs[name].append(acc[drafts][blocks].cumprod(-1))
+        for drafts, walk in (("greedy", visited), ("greedy_head_off", visited_off)):
+            walk = torch.tensor(walk, dtype=torch.long)
+            runs[drafts].append(acc[drafts][acc["whole"]].cumprod(-1))
+            chained_runs[drafts].append(acc[drafts][walk[acc["whole"][walk]]].cumprod(-1))
         t, s, _ = chained(tau_greedy[prefix].tolist())
         tokens_prefix, steps_prefix = tokens_prefix + t, steps_prefix + s
         print(f"row {i}: {len(tau_greedy)} anchors, uniform greedy τ {tau_greedy.mean():.2f}, "
@@ -155,11 +157,13 @@ def main():
     mean = {k: sum(v) / len(v) for k, v in per.items()}
     # P(position k accepted | positions < k accepted), the factors greedy τ is made of, over the whole blocks: at every
     # anchor, and at the anchors decoding visits (each walk its own: the head's drafts, the drafter's argmax)
-    conditional = {}
-    for name, run in runs.items():
-        run = torch.cat(run)
+    def factors(blocks: list[torch.Tensor]) -> list[float]:
+        run = torch.cat(blocks)
         reached = torch.cat([run.new_tensor([run.shape[0]]), run.sum(0)])  # blocks accepted up to k - 1, from k = 0
-        conditional[name] = [round(v, 4) for v in (reached[1:7] / reached[:6]).tolist()]
+        return [round(v, 4) for v in (reached[1:7] / reached[:6]).tolist()]
+
+    conditional = {name: factors(blocks) for name, blocks in runs.items()}
+    conditional.update({f"{name}_chained": factors(blocks) for name, blocks in chained_runs.items()})
     harmonic = len(per["uniform_greedy"]) / sum(1 / x for x in per["uniform_greedy"])
     result = {
         "checkpoint": args.checkpoint,
@@ -179,7 +183,7 @@ def main():
         "greedy_conditional_acceptance_k1_6": conditional["greedy"],
         "greedy_conditional_acceptance_k1_6_head_off": conditional["greedy_head_off"],
         "greedy_conditional_acceptance_k1_6_chained": conditional["greedy_chained"],
-        "greedy_conditional_acceptance_k1_6_chained_head_off": conditional["greedy_chained_head_off"],
+        "greedy_conditional_acceptance_k1_6_chained_head_off": conditional["greedy_head_off_chained"],
     }
     if args.realized:
         result["realized"] = {

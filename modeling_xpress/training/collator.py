@@ -66,12 +66,11 @@ class XPressDataCollator:
         return torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little"))
 
     @staticmethod
-    def row_anchor_weights(i: int, row: dict, length: int) -> torch.Tensor | None:
-        """Row `i`'s `anchor_weights` (float64, cut to `length` tokens), or None when it has none."""
+    def row_anchor_weights(i: int, row: dict, tokens: int) -> torch.Tensor | None:
+        """Row `i`'s `anchor_weights` (float64, one per each of its `tokens`), or None when it has none."""
         if row.get("anchor_weights") is None:
             return None
         weights = torch.as_tensor(row["anchor_weights"], dtype=torch.float64).flatten()
-        tokens = torch.as_tensor(row["input_ids"]).numel()
         if len(weights) != tokens:
             raise ValueError(
                 f"row {i}: anchor_weights has {len(weights)} values but input_ids has {tokens} tokens: give one "
@@ -79,7 +78,7 @@ class XPressDataCollator:
             )
         if not (torch.isfinite(weights).all() and (weights >= 0).all()):
             raise ValueError(f"row {i}: anchor_weights must be finite and >= 0 (0: never an anchor)")
-        return weights[:length]
+        return weights
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         if len(features) == 0:
@@ -92,9 +91,11 @@ class XPressDataCollator:
             mask = torch.as_tensor(row["loss_mask"]).flatten().bool()
             if len(ids) != len(mask):
                 raise ValueError(f"row {i}: input_ids has {len(ids)} tokens but loss_mask has {len(mask)}")
+            weights = self.row_anchor_weights(i, row, len(ids))
             if self.max_length is not None:
                 ids, mask = ids[: self.max_length], mask[: self.max_length]
-            rows.append((ids, mask, self.row_anchor_weights(i, row, len(ids))))
+                weights = None if weights is None else weights[: self.max_length]
+            rows.append((ids, mask, weights))
         b, t_max = len(rows), max(len(ids) for ids, _, _ in rows)
         if t_max == 0:
             raise ValueError(

@@ -20,15 +20,13 @@ if first:  # rows never trained on: a cache of just those rows; the held-out row
 else:
     data = cached_signals(args, targs, target, data, layers, args.signal_cache).select(range(rows))
     held_out = cached_signals(args, targs, target, held_out, layers, held_out_cache_folder(args.signal_cache))
-if os.environ["ANCHORS"] == "visited":
+if os.environ["ANCHORS"] == "visited":  # 1 on the positions the walk visited, 0 elsewhere
     visited = json.load(open(os.environ["VISITED"]))
-    lengths = [len(x) for x in data["input_ids"]]
     weights = []
-    for i, n in enumerate(lengths):
-        w = [0.0] * n
-        for t in visited[str(i)]:
-            w[t] = 1.0
-        weights.append(w)
+    for i, ids in enumerate(data["input_ids"]):
+        w = torch.zeros(len(ids))
+        w[visited[str(i)]] = 1.0
+        weights.append(w.tolist())
     data = data.add_column("anchor_weights", weights)
 print(f"{len(data)} rows, anchors {os.environ['ANCHORS']}, {xpress.config.refiner_form} head rank {xpress.config.refiner_rank}", flush=True)
 trainer = XPressTrainer(model=xpress, target=target, args=targs, train_dataset=data, eval_dataset=held_out)
