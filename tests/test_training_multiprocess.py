@@ -1,6 +1,7 @@
 """Two training processes (DDP over gloo on CPU, NCCL on GPUs) run the unchanged example script and leave a loadable
 checkpoint."""
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ pytestmark = pytest.mark.slow  # two training processes: `pytest -m "not slow"` 
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_BARRIER_PASSED = "xPress training: every rank finished"  # printed by train_refiner.py after its final barrier
+LAUNCH_TAG = "XPRESS_TEST_LAUNCH"  # set in the launch's environment, to find its processes again
 
 
 def free_port() -> int:
@@ -27,24 +30,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launched_by(tag: str) -> list[psutil.Process]:
+    """The processes whose environment carries `LAUNCH_TAG=tag`: the launcher and every worker, whatever their session
+    or parent (a worker whose launcher exited is re-parented), as the environment is inherited."""
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):  # gone, a zombie, or not ours to read
+            if p.environ().get(LAUNCH_TAG) == tag:
+                found.append(p)
+    return found
+
+
+def signal_all(group: int, tag: str, signum: int) -> None:
+    """`signum` to the launcher's process group and to every process launched with `tag`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signum)
+    for p in launched_by(tag):
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signum)
+
+
 def launch_and_wait(command: list[str], output_dir: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    """Run the launcher in its own process group. If it outlives `timeout`, every process of the group is sent SIGABRT
+    """Run the launcher in its own process group. If it outlives `timeout`, every process it launched is sent SIGABRT
     (PYTHONFAULTHANDLER makes each dump all its threads' Python stacks), then killed. A job that had finished its work
     (the final model written, every rank through the exit barrier) and then hung leaving the interpreter is torch's
     known teardown race (pytorch/pytorch#75097, #190489), which this package cannot fix: that outcome is reported as an
     expected failure with the stacks, anything else fails."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
+    tag = f"{os.getpid()}-{output_dir.name}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1",
+           LAUNCH_TAG: tag}  # fmt: skip
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGABRT)
+        # torchrun starts each worker in a session of its own, out of the launcher's group; a worker left alive keeps
+        # the output pipes open and the last communicate() would wait for ever, so every launched process is signalled.
+        signal_all(process.pid, tag, signal.SIGABRT)
         try:
             stdout, stderr = process.communicate(timeout=20)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            signal_all(process.pid, tag, signal.SIGKILL)
             stdout, stderr = process.communicate()
         finished = (output_dir / "model.safetensors").is_file() and stdout.count(EXIT_BARRIER_PASSED) == 2
         report = f"hung after {timeout} s; stdout:\n{stdout[-3000:]}\nstderr (stacks at SIGABRT):\n{stderr[-6000:]}"
