@@ -53,15 +53,15 @@ def row_acceptance(xpress, target, row, chunk: int = 64, head: bool = True) -> d
     lower bound) and greedy match for every block position, of the drafts as decoded (`greedy`) and of the drafter's
     own argmax (`greedy_head_off`). Returns (A, n) tensors, the anchors' offsets and `whole` (A,): the anchors whose
     every block position lies in the response. `head=False` skips the head's decode (`greedy` is then the argmax's)."""
-    ids = torch.tensor(row["input_ids"], dtype=torch.long)
-    mask = torch.tensor(row["loss_mask"], dtype=torch.bool)
+    ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+    mask = torch.as_tensor(row["loss_mask"], dtype=torch.bool)
     full = ids.shape[0]
-    features = torch.tensor(row["features"])
+    features = torch.as_tensor(row["features"])
     if features.dtype == torch.int16:
         features = features.view(torch.bfloat16)
     features = features.view(full, -1)
-    topk_ids = torch.tensor(row["topk_ids"], dtype=torch.long).view(full, -1)
-    topk_probs = torch.tensor(row["topk_probs"]).view(full, -1)
+    topk_ids = torch.as_tensor(row["topk_ids"], dtype=torch.long).view(full, -1)
+    topk_probs = torch.as_tensor(row["topk_probs"]).view(full, -1)
     n = xpress.config.block_size - 1
     response = mask.nonzero().flatten()
     first = int(response[0])
