@@ -15,7 +15,7 @@ from modeling_xpress.bench.acceptance import measure_prompt, summarize_acceptanc
 from modeling_xpress.bench.assets import load_gguf_target
 from modeling_xpress.bench.benchmark import prompt_ids
 from modeling_xpress.bench.demo import bundled_pair
-from modeling_xpress.draft_cap import acceptance_from_blocks
+from modeling_xpress.draft_cap import acceptance_from_blocks, expected_tokens
 from modeling_xpress.training.prompts import GENERATORS
 from modeling_xpress.training.regeneration import held_out_prompts
 
@@ -38,7 +38,7 @@ for name, key in (("head_on", "linear"), ("head_off", "head_off")):
     runs = [r[key] for r in records]
     s = acceptance_from_blocks([a for r in runs for a in r["acceptance_lengths"]],
                                [d for r in runs for d in r["draft_lengths"]], xpress.config.block_size)
-    expected[f"expected_tokens_per_block_c1_7_{name}"] = [round(1 + sum(s[:c]), 4) for c in range(1, 8)]
+    expected[f"expected_tokens_per_block_c1_7_{name}"] = [round(expected_tokens(s, c), 4) for c in range(1, 8)]
 print(json.dumps(summary | expected))
 shutil.copytree(folder, out, dirs_exist_ok=True)
 config = XPressConfig.from_pretrained(out)
